@@ -1,0 +1,34 @@
+# Every target creates .venv itself, so a fresh clone needs only `make train` or `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv train test lint format clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU machines: take the local CPU build of torch first so the range below installs nothing more.
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q torch==2.13.0; fi
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/effpretrain train $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check effpretrain optimizers tests benchmarks
+	$(BIN)/ruff format --check effpretrain optimizers tests benchmarks
+
+format: $(STAMP)
+	$(BIN)/ruff format effpretrain optimizers tests benchmarks
+	$(BIN)/ruff check --fix effpretrain optimizers tests benchmarks
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,5 @@
+import sys
+
+from effpretrain.cli import main
+
+sys.exit(main())

@@ -1,0 +1,160 @@
+"""Complete, atomic, weights_only-safe checkpoints.
+
+A checkpoint is a folder ``checkpoints/step-N/`` holding:
+
+- ``model.safetensors``: the model's state_dict (parameters and persistent buffers);
+- ``optimizer.pt``: the optimizer's state_dict (tensors and plain numbers only);
+- ``trainer.pt``: step, tokens, data-stream position, scheduler state, RNG states, event counters;
+- ``config.yaml``: the resolved config;
+- ``COMPLETE``: written last; a folder without it does not count.
+
+Everything is written into ``step-N.tmp-<pid>/`` and renamed into place only when complete, so a
+crash mid-save leaves the previous checkpoints untouched. Loading uses safetensors for the model
+and ``torch.load(weights_only=True)`` for the rest: a file holding an arbitrary pickled object is
+refused.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from effpretrain.config import ConfigError
+
+log = logging.getLogger("effpretrain")
+MARKER = "COMPLETE"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    ckpt_root: Path,
+    step: int,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
+    trainer_state: dict[str, Any],
+    config_yaml: str,
+    keep: int = 2,
+) -> Path:
+    """Writes checkpoint `step` atomically and prunes old ones, keeping the newest `keep` complete."""
+    from safetensors.torch import save_file
+
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    final = ckpt_root / f"step-{step}"
+    tmp = ckpt_root / f"step-{step}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    # safetensors refuses shared or non-contiguous storage; clone what needs it.
+    tensors = {k: v.detach().contiguous().cpu() for k, v in model_state.items()}
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"step": str(step)})
+    torch.save(optimizer_state, tmp / "optimizer.pt")
+    torch.save(trainer_state, tmp / "trainer.pt")
+    (tmp / "config.yaml").write_text(config_yaml)
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    (tmp / MARKER).write_text(json.dumps({"step": step, "files": sorted(p.name for p in tmp.iterdir())}))
+    _fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(ckpt_root)
+    prune(ckpt_root, keep)
+    return final
+
+
+def complete_checkpoints(ckpt_root: Path) -> list[Path]:
+    """Checkpoint folders that carry the completion marker, oldest first."""
+    if not ckpt_root.is_dir():
+        return []
+    found = []
+    for p in ckpt_root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and p.is_dir() and (p / MARKER).is_file():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def prune(ckpt_root: Path, keep: int) -> None:
+    """Deletes all but the newest `keep` complete checkpoints and stale temporary folders."""
+    done = complete_checkpoints(ckpt_root)
+    for p in done[: max(0, len(done) - max(keep, 1))]:
+        shutil.rmtree(p, ignore_errors=True)
+    for p in ckpt_root.iterdir():
+        if ".tmp-" in p.name and p.is_dir():
+            pid = p.name.rsplit("-", 1)[-1]
+            if pid != str(os.getpid()):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """Loads one checkpoint folder; ConfigError (bad input) if it is incomplete or unsafe."""
+    from safetensors.torch import load_file
+
+    if not (path / MARKER).is_file():
+        raise ConfigError(f"checkpoint {path} is incomplete (no {MARKER} marker)")
+    try:
+        model = load_file(str(path / "model.safetensors"))
+    except Exception as e:
+        raise ConfigError(f"checkpoint {path}: model.safetensors unreadable ({type(e).__name__})") from None
+    out: dict[str, Any] = {"model": model, "path": path}
+    for name in ("optimizer", "trainer"):
+        f = path / f"{name}.pt"
+        try:
+            out[name] = torch.load(f, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise ConfigError(f"checkpoint {path}: {f.name} is missing") from None
+        except Exception as e:
+            # weights_only refuses arbitrary pickled objects; truncated files fail to unpickle.
+            msg = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+            raise ConfigError(f"checkpoint {path}: {f.name} refused or corrupt ({msg})") from None
+    return out
+
+
+def find_resume(run_dir: Path, resume: str) -> Path | None:
+    """Resolves --resume: `auto` = newest loadable checkpoint of run_dir (None if there is none),
+    else a path to a checkpoint folder or to a run directory."""
+    if resume == "auto":
+        root = run_dir / "checkpoints"
+        done = complete_checkpoints(root)
+        for p in reversed(done):
+            try:
+                load_checkpoint(p)
+                return p
+            except ConfigError as e:
+                log.warning("skipping checkpoint %s: %s", p.name, e)
+        if root.is_dir() and any(_STEP_DIR.match(p.name.split(".tmp-")[0]) for p in root.iterdir()):
+            if done:
+                raise ConfigError(f"{root}: checkpoints exist but none is loadable")
+        return None
+    p = Path(resume)
+    if not p.exists():
+        raise ConfigError(f"--resume: {resume} does not exist")
+    if (p / "checkpoints").is_dir():
+        found = find_resume(p, "auto")
+        if found is None:
+            raise ConfigError(f"--resume: {resume} holds no complete checkpoint")
+        return found
+    if not (p / MARKER).is_file():
+        raise ConfigError(f"--resume: {resume} is not a complete checkpoint folder")
+    return p

@@ -1,0 +1,170 @@
+"""`effpretrain train | estimate | eval`: the console script and `python -m effpretrain`.
+
+Bad input (config, data, paths, checkpoints) exits with code 2 and one line naming the problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from effpretrain.config import ConfigError
+
+DEFAULT_RECIPE = "recipes/tiny/adamw.yaml"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own exit code is 2 already; keep one line
+        self.exit(2, f"effpretrain: error: {message}\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="effpretrain", description="Memory-efficient LLM pretraining.")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+
+    t = sub.add_parser("train", help="train from a recipe (default: the tiny AdamW recipe, built-in corpus)")
+    t.add_argument("recipe", nargs="?", help="recipe YAML; omitted: the default recipe")
+    t.add_argument("--out", help="run directory (default: runs/<method>-<preset>)")
+    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set optim.lr=3e-4 (repeatable)")
+    t.add_argument("--resume", metavar="DIR|auto", help="resume from a checkpoint/run dir, or 'auto'")
+    t.add_argument("--allow-config-change", action="store_true",
+                   help="resume even if model/method/batch/data differ from the checkpoint's")
+
+    e = sub.add_parser("estimate", help="analytic memory breakdown (no model is built)")
+    e.add_argument("--model", required=True, help="preset, e.g. llama_1b")
+    e.add_argument("--method", default="adamw",
+                   help="optimizer (adamw, galore, ...) or factorization (lowrank, lora, relora, sltrain)")
+    e.add_argument("--rank", type=int, default=None, help="projection / factor rank")
+    e.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "bf16-mixed"])
+    e.add_argument("--vocab-size", type=int, default=None)
+    e.add_argument("--batch-size", type=int, default=1, help="sequences per rank (activations)")
+    e.add_argument("--seq-len", type=int, default=256)
+    e.add_argument("--activation-checkpointing", type=int, default=0, metavar="K")
+    e.add_argument("--world-size", type=int, default=1)
+    e.add_argument("--sharding", default="none", choices=["none", "ddp", "fsdp2"])
+    e.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    v = sub.add_parser("eval", help="validation loss/perplexity of a checkpoint")
+    v.add_argument("checkpoint", help="checkpoint folder or run directory")
+    v.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    return p
+
+
+def cmd_train(args) -> int:
+    from effpretrain.config import load_config
+    from effpretrain.trainer import NonFiniteError, train
+
+    recipe = args.recipe
+    if recipe is None:
+        recipe = _default_recipe()
+    cfg = load_config(recipe, args.overrides)
+    out = Path(args.out) if args.out else _default_out(cfg, args.resume)
+    try:
+        summary = train(cfg, out, args.resume, args.allow_config_change)
+    except NonFiniteError as e:
+        print(f"effpretrain: training stopped: {e}", file=sys.stderr)
+        return 3
+    if "final_val_ppl" in summary and os.environ.get("LOCAL_RANK", "0") == "0":
+        print(
+            f"done: {summary['steps']} steps, {summary['tokens']:,} tokens, val_loss {summary['final_val_loss']:.4f}, "
+            f"val_ppl {summary['final_val_ppl']:.2f}, {summary['tokens_per_s']:,.0f} tokens/s -> {out}"
+        )
+    return 0
+
+
+def _default_recipe() -> str:
+    """The packaged default recipe, found beside the source tree or in the working directory."""
+    for base in (Path.cwd(), Path(__file__).resolve().parent.parent):
+        cand = base / DEFAULT_RECIPE
+        if cand.is_file():
+            return str(cand)
+    raise ConfigError(f"no recipe given and the default {DEFAULT_RECIPE} was not found")
+
+
+def _default_out(cfg, resume: str | None) -> Path:
+    if resume and resume != "auto":
+        p = Path(resume)
+        # A checkpoint folder runs/X/checkpoints/step-N resumes into runs/X.
+        return p.parent.parent if p.parent.name == "checkpoints" else p
+    if resume == "auto":
+        return Path("runs") / f"{cfg.method}-{cfg.model.preset}"
+    return Path("runs") / f"{cfg.method}-{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def cmd_estimate(args) -> int:
+    from effpretrain.config import OptimConfig
+    from effpretrain.memory import FACTOR_KINDS, estimate, format_table
+    from effpretrain.models import PRESETS
+
+    if args.model not in PRESETS:
+        raise ConfigError(f"--model {args.model!r} is not one of {', '.join(PRESETS)}")
+    method = args.method.removesuffix("_restarts")
+    factor = "none"
+    if method in FACTOR_KINDS:
+        factor, method = method, "adamw"
+    import optimizers
+
+    if method not in optimizers.OPTIMIZERS:
+        raise ConfigError(
+            f"--method {args.method!r} is not one of {', '.join(sorted(optimizers.OPTIMIZERS) + list(FACTOR_KINDS))}"
+        )
+    rank = args.rank or 128
+    if args.rank is not None and args.rank <= 0:
+        raise ConfigError(f"--rank must be > 0, got {args.rank}")
+    if args.world_size <= 0:
+        raise ConfigError(f"--world-size must be > 0, got {args.world_size}")
+    sharding = args.sharding if args.sharding != "none" or args.world_size == 1 else "ddp"
+    est = estimate(
+        args.model, method, dtype=args.dtype, vocab_size=args.vocab_size,
+        optim_cfg=OptimConfig(name=method, rank=rank), factor_kind=factor, factor_rank=rank,
+        batch_size=args.batch_size, seq_len=args.seq_len, activation_checkpointing=args.activation_checkpointing,
+        world_size=args.world_size, sharding=sharding,
+    )
+    if factor != "none":
+        est.detail["method"] = args.method
+    if args.json:
+        print(json.dumps(est.as_dict(), indent=2))
+    else:
+        print(format_table(est))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from effpretrain.checkpoint import find_resume, load_checkpoint
+    from effpretrain.config import apply_overrides, from_dict, validate
+    from effpretrain.trainer import Trainer
+
+    path = find_resume(Path(args.checkpoint), "auto") if (Path(args.checkpoint) / "checkpoints").is_dir() else None
+    path = path or Path(args.checkpoint)
+    state = load_checkpoint(path)
+    cfg = validate(apply_overrides(from_dict(state["trainer"]["config"], str(path)), args.overrides), str(path))
+    tmp_out = path.parent.parent
+    trainer = Trainer(cfg, tmp_out, resume=str(path), allow_config_change=True)
+    loss, ppl = trainer.evaluate()
+    print(json.dumps({"checkpoint": str(path), "step": trainer.progress.step, "val_loss": loss, "val_ppl": ppl}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for noisy in ("httpx", "urllib3", "datasets", "accelerate"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    args = _parser().parse_args(argv)
+    try:
+        return {"train": cmd_train, "estimate": cmd_estimate, "eval": cmd_eval}[args.cmd](args)
+    except ConfigError as e:
+        print(f"effpretrain: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("effpretrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,491 @@
+"""Corpus sources, tokenizers, and resumable batching.
+
+Three sources behind one interface (`Corpus`: train documents, held-out documents):
+
+- ``builtin``: the Python standard library's own ``.py`` sources plus the pydoc topics text,
+  shipped with every interpreter (~12 MB), test folders excluded, sorted paths. No download.
+- ``files``: local ``.txt`` (split into paragraph documents), ``.jsonl`` (one document per line,
+  ``data.text_field``) or ``.parquet`` (one document per row); a file or a folder of them.
+- ``hub``: any HF dataset (name, config, split), streamed; ``data.name`` may also be a local
+  dataset folder. C4 (``allenai/c4``, ``en``) is the paper's.
+
+Batches are built from a deterministic token stream whose position (epoch, document cursor,
+pending tokens) is a small dict of ints and tensors saved in every checkpoint. A step draws
+``grad_accum x world_size x batch_size`` rows; micro-step k of rank r takes rows
+``[(k W + r) B, (k W + r + 1) B)``, so 2 processes at batch B see exactly the rows that 1
+process sees at batch 2B.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from effpretrain.config import ConfigError, DataConfig
+
+log = logging.getLogger("effpretrain")
+
+IGNORE_INDEX = -100
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
+
+
+# ----------------------------------------------------------------------------------------------
+# Documents
+
+
+def builtin_documents() -> list[str]:
+    """The standard library's .py sources (sorted by path, tests excluded) + pydoc topics."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    paths: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("test_"))
+        paths.extend(Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py"))
+    docs = []
+    for p in sorted(paths, key=lambda q: q.relative_to(root).as_posix()):
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if text.strip():
+            docs.append(text)
+    try:
+        from pydoc_data.topics import topics
+
+        docs.extend(topics[k] for k in sorted(topics))
+    except ImportError:  # some distributions strip pydoc_data
+        pass
+    if not docs:
+        raise ConfigError(f"built-in corpus is empty: no .py sources found under the stdlib ({root.name})")
+    return docs
+
+
+def _txt_documents(path: Path, max_chars: int = 4000) -> list[str]:
+    """A .txt file becomes documents of whole paragraphs, each up to ~max_chars."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    docs, cur = [], ""
+    for para in text.split("\n\n"):
+        if not para.strip():
+            continue
+        if cur and len(cur) + len(para) > max_chars:
+            docs.append(cur)
+            cur = ""
+        cur = f"{cur}\n\n{para}" if cur else para
+    if cur.strip():
+        docs.append(cur)
+    return docs
+
+
+def _jsonl_documents(path: Path, field: str) -> list[str]:
+    docs = []
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                raise ConfigError(f"{path}:{lineno}: not valid JSON") from None
+            if not isinstance(obj, dict) or field not in obj:
+                raise ConfigError(f"{path}:{lineno}: no text field {field!r} (set data.text_field)")
+            if not isinstance(obj[field], str):
+                raise ConfigError(f"{path}:{lineno}: field {field!r} is not a string")
+            if obj[field].strip():
+                docs.append(obj[field])
+    return docs
+
+
+def _parquet_documents(path: Path, field: str) -> list[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError("reading .parquet needs pyarrow: pip install pyarrow") from None
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises several types for a bad file
+        raise ConfigError(f"{path}: not a readable parquet file ({type(e).__name__})") from None
+    if field not in table.column_names:
+        raise ConfigError(f"{path}: no column {field!r} (columns: {', '.join(table.column_names)})")
+    return [t for t in table.column(field).to_pylist() if isinstance(t, str) and t.strip()]
+
+
+_READERS = {".txt": "txt", ".jsonl": "jsonl", ".parquet": "parquet"}
+
+
+def file_documents(path: str, field: str = "text") -> list[str]:
+    """Documents from a file or folder of .txt/.jsonl/.parquet files (sorted paths)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ConfigError(f"data.path not found: {path}")
+    if p.is_dir():
+        files = sorted(q for q in p.rglob("*") if q.is_file() and q.suffix in _READERS)
+        if not files:
+            raise ConfigError(f"data.path {path}: no .txt, .jsonl or .parquet files in this folder")
+    else:
+        if p.suffix not in _READERS:
+            raise ConfigError(f"data.path {path}: unsupported file type {p.suffix!r} (use .txt, .jsonl, .parquet)")
+        files = [p]
+    docs: list[str] = []
+    for f in files:
+        kind = _READERS[f.suffix]
+        if kind == "txt":
+            docs.extend(_txt_documents(f))
+        elif kind == "jsonl":
+            docs.extend(_jsonl_documents(f, field))
+        else:
+            docs.extend(_parquet_documents(f, field))
+    if not docs:
+        raise ConfigError(f"data.path {path}: the corpus is empty (no non-blank documents)")
+    return docs
+
+
+# ----------------------------------------------------------------------------------------------
+# Corpus: train/val documents behind one interface
+
+
+class Corpus:
+    """Train and held-out documents. In-memory sources index documents; hub streams them."""
+
+    streaming = False
+
+    def __init__(self, train: list[str], val: list[str], name: str):
+        if not train:
+            raise ConfigError(f"{name}: no training documents left after holding out validation")
+        if not val:
+            raise ConfigError(f"{name}: too few documents to hold out a validation split")
+        self.train, self.val, self.name = train, val, name
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256()
+        for d in self.train:
+            h.update(d.encode("utf-8", "replace"))
+            h.update(b"\0")
+        return h.hexdigest()[:16]
+
+
+def _split(docs: list[str], every: int) -> tuple[list[str], list[str]]:
+    """Every `every`-th document (index % every == every - 1) is held out: deterministic."""
+    train = [d for i, d in enumerate(docs) if i % every != every - 1]
+    val = [d for i, d in enumerate(docs) if i % every == every - 1]
+    return train, val
+
+
+class HubCorpus:
+    """A streamed HF dataset; held-out documents come from `val_split` or every Nth document."""
+
+    streaming = True
+
+    def __init__(self, cfg: DataConfig):
+        try:
+            import datasets
+        except ImportError:
+            raise ConfigError("data.source=hub needs the datasets package") from None
+        self.cfg = cfg
+        self.name = f"hub:{cfg.name}" + (f"/{cfg.config}" if cfg.config else "")
+        self._datasets = datasets
+
+    def _load(self, split: str):
+        try:
+            return self._datasets.load_dataset(
+                self.cfg.name, self.cfg.config or None, split=split, streaming=True
+            )
+        except Exception as e:  # network, missing dataset, bad split: all user input problems
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ConfigError(f"cannot open dataset {self.cfg.name!r} split {split!r}: {msg}") from None
+
+    def _texts(self, ds, skip: int = 0) -> Iterator[str]:
+        field = self.cfg.text_field
+        for i, row in enumerate(ds):
+            if i < skip:
+                continue
+            if field not in row:
+                raise ConfigError(f"{self.name}: rows have no field {field!r} (set data.text_field)")
+            yield row[field]
+
+    def iter_train(self, start: int) -> Iterator[str]:
+        every = self.cfg.val_every
+        for i, text in enumerate(self._texts(self._load(self.cfg.split)), 0):
+            if i < start:
+                continue
+            if not self.cfg.val_split and i % every == every - 1:
+                yield ""  # held out: keeps the document index aligned, skipped by the stream
+                continue
+            yield text
+
+    def iter_val(self) -> Iterator[str]:
+        if self.cfg.val_split:
+            yield from self._texts(self._load(self.cfg.val_split))
+            return
+        every = self.cfg.val_every
+        for i, text in enumerate(self._texts(self._load(self.cfg.split))):
+            if i % every == every - 1:
+                yield text
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(self.name.encode()).hexdigest()[:16]
+
+
+def load_corpus(cfg: DataConfig) -> Corpus | HubCorpus:
+    if cfg.source == "builtin":
+        return Corpus(*_split(builtin_documents(), cfg.val_every), "builtin")
+    if cfg.source == "files":
+        return Corpus(*_split(file_documents(cfg.path, cfg.text_field), cfg.val_every), f"files:{cfg.path}")
+    return HubCorpus(cfg)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizers
+
+
+@dataclass
+class Tokenizer:
+    """The few things the stream needs from any tokenizer."""
+
+    name: str
+    vocab_size: int
+    eos_id: int
+    pad_id: int
+    _encode: Any
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._encode(texts)
+
+
+def cache_dir() -> Path:
+    """$EFFPRETRAIN_CACHE, else the user cache dir (platformdirs)."""
+    env = os.environ.get("EFFPRETRAIN_CACHE")
+    if env:
+        return Path(env)
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("effpretrain"))
+
+
+def train_bpe(docs: list[str], vocab_size: int, out: Path) -> None:
+    """Trains a byte-level BPE on `docs` and writes tokenizer.json atomically."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN, PAD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(docs, trainer=trainer, length=len(docs))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    tok.save(str(tmp))
+    os.replace(tmp, out)
+
+
+def load_tokenizer(cfg: DataConfig, corpus: Corpus | HubCorpus) -> Tokenizer:
+    """`builtin-bpe` (trained on the training documents, cached by corpus hash) or any HF name/path."""
+    if cfg.tokenizer == "builtin-bpe":
+        if isinstance(corpus, HubCorpus):
+            raise ConfigError("data.tokenizer=builtin-bpe needs an in-memory corpus; use a HF tokenizer for hub data")
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = cache_dir() / "tokenizers" / f"bpe-{corpus.fingerprint()}-{cfg.vocab_size}.json"
+        if not path.is_file():
+            log.info("training a %d-token byte-level BPE on %s (cached at %s)", cfg.vocab_size, corpus.name, path)
+            train_bpe(corpus.train, cfg.vocab_size, path)
+        tok = HFTokenizer.from_file(str(path))
+        eos, pad = tok.token_to_id(EOS_TOKEN), tok.token_to_id(PAD_TOKEN)
+
+        def encode(texts: list[str]) -> list[list[int]]:
+            return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
+
+        return Tokenizer(f"builtin-bpe-{cfg.vocab_size}", tok.get_vocab_size(), eos, pad, encode)
+    try:
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(cfg.tokenizer)
+    except Exception as e:  # not found locally or on the hub
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"cannot load tokenizer {cfg.tokenizer!r}: {msg}") from None
+    eos = hf.eos_token_id
+    if eos is None:
+        raise ConfigError(f"tokenizer {cfg.tokenizer!r} has no eos token")
+    pad = hf.pad_token_id if hf.pad_token_id is not None else eos
+
+    def encode_hf(texts: list[str]) -> list[list[int]]:
+        return hf(texts, add_special_tokens=False)["input_ids"]
+
+    return Tokenizer(cfg.tokenizer, len(hf), eos, pad, encode_hf)
+
+
+# ----------------------------------------------------------------------------------------------
+# Token stream and batches
+
+
+class TokenStream:
+    """Rows of `seq_len` tokens from the training documents, in a resumable order.
+
+    pack: documents joined with EOS and cut into rows (every slot a target).
+    truncate: one document per row, cut at seq_len, right-padded; pad labels are ignored.
+    Order: a seeded permutation of the documents per epoch (in-memory corpora); stream order
+    for hub data. `state_dict()` is the exact position.
+    """
+
+    def __init__(self, corpus, tok: Tokenizer, seq_len: int, mode: str, seed: int, chunk: int = 32):
+        self.corpus, self.tok, self.seq_len, self.mode, self.seed, self.chunk = (
+            corpus, tok, seq_len, mode, seed, chunk,
+        )
+        self.epoch, self.cursor = 0, 0
+        self.pending: list[list[int]] = []  # truncate: tokenized docs not yet emitted
+        self.buffer: list[int] = []  # pack: tokens not yet emitted
+        self._order: list[int] | None = None
+        self._hub_iter: Iterator[str] | None = None
+
+    # -- position ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        lengths = [len(p) for p in self.pending]
+        flat = [t for p in self.pending for t in p]
+        return {
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "buffer": torch.tensor(self.buffer, dtype=torch.int64),
+            "pending": torch.tensor(flat, dtype=torch.int64),
+            "pending_lengths": torch.tensor(lengths, dtype=torch.int64),
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.epoch, self.cursor = int(sd["epoch"]), int(sd["cursor"])
+        self.buffer = sd["buffer"].tolist()
+        flat = sd["pending"].tolist()
+        self.pending, i = [], 0
+        for n in sd["pending_lengths"].tolist():
+            self.pending.append(flat[i : i + n])
+            i += n
+        self._order, self._hub_iter = None, None
+
+    # -- documents -----------------------------------------------------------------------------
+    def _epoch_order(self) -> list[int]:
+        if self._order is None:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            self._order = torch.randperm(len(self.corpus.train), generator=g).tolist()
+        return self._order
+
+    def _next_docs(self) -> list[str]:
+        """The next chunk of documents, advancing the cursor (wrapping epochs)."""
+        if self.corpus.streaming:
+            if self._hub_iter is None:
+                self._hub_iter = self.corpus.iter_train(self.cursor)
+            docs = []
+            for _ in range(self.chunk):
+                try:
+                    docs.append(next(self._hub_iter))
+                except StopIteration:
+                    self.epoch, self.cursor, self._hub_iter = self.epoch + 1, 0, None
+                    break
+                self.cursor += 1
+            return [d for d in docs if d]
+        order = self._epoch_order()
+        if self.cursor >= len(order):
+            self.epoch, self.cursor, self._order = self.epoch + 1, 0, None
+            order = self._epoch_order()
+        idx = order[self.cursor : self.cursor + self.chunk]
+        self.cursor += len(idx)
+        return [self.corpus.train[i] for i in idx]
+
+    def _refill(self) -> None:
+        for _attempt in range(10_000):
+            docs = self._next_docs()
+            if docs:
+                ids = self.tok.encode_batch(docs)
+                if self.mode == "pack":
+                    for d in ids:
+                        self.buffer.extend(d)
+                        self.buffer.append(self.tok.eos_id)
+                else:
+                    self.pending.extend(d for d in ids if d)
+                return
+        raise ConfigError(f"{self.corpus.name}: the corpus yields no tokens")
+
+    # -- rows ----------------------------------------------------------------------------------
+    def next_rows(self, n: int) -> dict[str, torch.Tensor]:
+        """`n` rows: input_ids, attention_mask, labels (IGNORE_INDEX on padding)."""
+        L = self.seq_len
+        if self.mode == "pack":
+            while len(self.buffer) < n * L:
+                self._refill()
+            flat = torch.tensor(self.buffer[: n * L], dtype=torch.long).view(n, L)
+            del self.buffer[: n * L]
+            return {"input_ids": flat, "attention_mask": torch.ones_like(flat), "labels": flat.clone()}
+        while len(self.pending) < n:
+            self._refill()
+        rows, self.pending = self.pending[:n], self.pending[n:]
+        ids = torch.full((n, L), self.tok.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, L), dtype=torch.long)
+        for i, r in enumerate(rows):
+            r = (r + [self.tok.eos_id])[:L]
+            ids[i, : len(r)] = torch.tensor(r)
+            mask[i, : len(r)] = 1
+        labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def count_targets(labels: torch.Tensor) -> int:
+    """Tokens that are prediction targets (the model shifts labels by one)."""
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+class Batches:
+    """Global optimizer-step batches from a TokenStream, sliced for one rank."""
+
+    def __init__(self, stream: TokenStream, batch_size: int, grad_accum: int, rank: int = 0, world: int = 1):
+        self.stream, self.B, self.K, self.rank, self.world = stream, batch_size, grad_accum, rank, world
+
+    def next_step(self) -> tuple[list[dict[str, torch.Tensor]], int]:
+        """This rank's micro-batches for one optimizer step, and the step's global target count."""
+        B, W = self.B, self.world
+        rows = self.stream.next_rows(self.K * W * B)
+        total = count_targets(rows["labels"])
+        micro = []
+        for k in range(self.K):
+            lo = (k * W + self.rank) * B
+            micro.append({key: v[lo : lo + B] for key, v in rows.items()})
+        return micro, total
+
+
+def validation_rows(corpus, tok: Tokenizer, seq_len: int, mode: str, n_rows: int) -> dict[str, torch.Tensor]:
+    """The fixed held-out evaluation set: up to `n_rows` rows from the validation documents, in order.
+
+    Each validation document is used at most once; a small held-out split gives fewer rows.
+    """
+    docs = corpus.iter_val() if corpus.streaming else iter(corpus.val)
+    rows: list[list[int]] = []
+    buffer: list[int] = []
+    for text in docs:
+        if len(rows) >= n_rows:
+            break
+        ids = tok.encode_batch([text])[0]
+        if mode == "pack":
+            buffer.extend(ids + [tok.eos_id])
+            while len(buffer) >= seq_len and len(rows) < n_rows:
+                rows.append(buffer[:seq_len])
+                del buffer[:seq_len]
+        elif ids:
+            rows.append((ids + [tok.eos_id])[:seq_len])
+    if not rows:
+        raise ConfigError(f"{corpus.name}: the validation split is too small for one row of {seq_len} tokens")
+    ids = torch.full((len(rows), seq_len), tok.pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, IGNORE_INDEX)}

@@ -1,0 +1,606 @@
+"""The training loop: Accelerate, gradient accumulation, clipping, schedule, events, eval, checkpoints.
+
+Read top to bottom: `train()` builds everything from a RunConfig, then runs `Trainer.fit()`.
+One optimizer step = ``grad_accum`` micro-batches per process; the loss is the token-weighted
+mean over the whole global batch (every rank, every micro-batch), so the gradient does not
+depend on how the batch is split across micro-steps or processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import optimizers
+from effpretrain import checkpoint as ckpt
+from effpretrain import data as data_mod
+from effpretrain import memory
+from effpretrain.config import ConfigError, RunConfig, config_hash, dump_yaml, to_dict
+from effpretrain.models import build_model, set_activation_checkpointing
+
+log = logging.getLogger("effpretrain")
+
+# Config sections whose change breaks exact resume (issue: resume must refuse them).
+EXACTNESS_KEYS = {
+    "model": None,
+    "factor": None,
+    "optim": ("name", "rank", "update_proj_gap", "proj_type", "basis", "targets", "extra"),
+    "data": None,
+    "train": ("batch_size", "grad_accum", "seed", "precision"),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Schedule
+
+
+def lr_factor(step: int, cfg: RunConfig) -> float:
+    """LR multiplier for optimizer step `step` (0-based): linear warmup, then cosine/linear/constant
+    to `min_lr_ratio`; times the restart recovery ramp when momentum is reset at restarts."""
+    t = cfg.train
+    warm = int(t.warmup_ratio * t.max_steps)
+    if step < warm:
+        f = (step + 1) / warm
+    else:
+        progress = min(1.0, (step - warm) / max(1, t.max_steps - warm))
+        if t.schedule == "cosine":
+            f = t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        elif t.schedule == "linear":
+            f = 1 - (1 - t.min_lr_ratio) * progress
+        else:
+            f = 1.0
+    r = cfg.restarts
+    if r.every > 0 and r.recovery_steps > 0 and (r.reset_momentum or cfg.factor.kind == "relora"):
+        from optimizers.restarts import recovery_factor
+
+        f *= recovery_factor(step, r.every, r.recovery_steps)
+    return f
+
+
+# ----------------------------------------------------------------------------------------------
+# Param groups
+
+
+def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str, Any]]:
+    """Explicit rules (PAPER.md section 1): attention/MLP linear weights are projected for
+    projection methods; every other matrix gets AdamW with weight decay; vectors (norms,
+    biases) get no weight decay. Frozen parameters are left out."""
+    o = cfg.optim
+    projected_method = o.name in optimizers.PROJECTED
+    targets = set(o.targets)
+    proj, decay, no_decay = [], [], []
+    for mod_name, module in model.named_modules():
+        attr = mod_name.rsplit(".", 1)[-1]
+        for pname, p in module.named_parameters(recurse=False):
+            if not p.requires_grad:
+                continue
+            if projected_method and isinstance(module, torch.nn.Linear) and attr in targets and pname == "weight":
+                proj.append(p)
+            elif p.ndim < 2:
+                no_decay.append(p)
+            else:
+                decay.append(p)
+    if projected_method and not proj:
+        raise ConfigError(
+            f"optim.targets={sorted(targets)} matched no linear weight to project "
+            f"(method {o.name}, factor.kind={cfg.factor.kind})"
+        )
+    groups = []
+    if proj:
+        groups.append({"params": proj, "weight_decay": o.weight_decay, **memory.projection_group(o)})
+    if decay:
+        groups.append({"params": decay, "weight_decay": o.weight_decay})
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def optimizer_kwargs(cfg: RunConfig) -> dict[str, Any]:
+    o = cfg.optim
+    kw: dict[str, Any] = {"lr": o.lr, "betas": (o.beta1, o.beta2), "eps": o.eps, "weight_decay": o.weight_decay}
+    kw.update({k: v for k, v in o.extra.items() if k not in ("oversample", "power_iters", "seed")})
+    if o.name in ("stable_spam",) and "total_steps" not in kw:
+        kw["total_steps"] = cfg.train.max_steps
+    return kw
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss
+
+
+def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Sum of next-token cross-entropies over the batch's targets (fp32), and their count."""
+    mask = batch["attention_mask"]
+    attn = None if bool(mask.all()) else mask  # all-ones: let SDPA take its causal fast path
+    logits = model(input_ids=batch["input_ids"], attention_mask=attn).logits
+    labels = batch["labels"][:, 1:]
+    loss = F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.size(-1)).float(),
+        labels.reshape(-1),
+        ignore_index=data_mod.IGNORE_INDEX,
+        reduction="sum",
+    )
+    return loss, int((labels != data_mod.IGNORE_INDEX).sum())
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        )
+        return out.stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+@dataclass
+class Progress:
+    step: int = 0
+    tokens: int = 0
+    skipped: int = 0
+    consecutive_skips: int = 0
+
+
+class Trainer:
+    """Owns the run's objects; `fit()` is the loop."""
+
+    def __init__(self, cfg: RunConfig, out_dir: Path, resume: str | None = None, allow_config_change: bool = False):
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        self.cfg, self.out = cfg, out_dir
+        t = cfg.train
+        use_cpu = not torch.cuda.is_available()
+        trackers = self._trackers()
+        self.acc = Accelerator(
+            cpu=use_cpu,
+            mixed_precision="bf16" if t.precision == "bf16-mixed" else "no",
+            log_with=trackers or None,
+            project_dir=str(out_dir),
+        )
+        self.rank, self.world = self.acc.process_index, self.acc.num_processes
+        self.is_main = self.acc.is_main_process
+        set_seed(t.seed)
+
+        # Resume target first: a bad --resume must fail before any work or any write.
+        self.resume_path = ckpt.find_resume(out_dir, resume) if resume else None
+        if resume is None and ckpt.complete_checkpoints(out_dir / "checkpoints"):
+            raise ConfigError(f"{out_dir} already holds checkpoints; pass --resume auto or choose another --out")
+
+        # Data
+        with self.acc.main_process_first():
+            self.corpus = data_mod.load_corpus(cfg.data)
+            self.tok = data_mod.load_tokenizer(cfg.data, self.corpus)
+        self.stream = data_mod.TokenStream(self.corpus, self.tok, cfg.data.seq_len, cfg.data.mode, cfg.data.shuffle_seed)
+        self.batches = data_mod.Batches(self.stream, t.batch_size, t.grad_accum, self.rank, self.world)
+        n_val = t.eval_batches * t.batch_size * self.world
+        self.val = data_mod.validation_rows(self.corpus, self.tok, cfg.data.seq_len, cfg.data.mode, n_val)
+
+        # Model
+        max_pos = cfg.model.max_position_embeddings or cfg.data.seq_len
+        if cfg.data.seq_len > max_pos:
+            raise ConfigError(
+                f"data.seq_len={cfg.data.seq_len} exceeds model.max_position_embeddings={max_pos}"
+            )
+        model = build_model(cfg.model.preset, self.tok.vocab_size, max_pos, seed=t.seed)
+        self.factor_report = None
+        if cfg.factor.kind != "none":
+            from effpretrain.models import apply_factorization
+
+            try:
+                self.factor_report = apply_factorization(
+                    model, cfg.factor.kind, cfg.factor.rank, cfg.factor.alpha,
+                    targets=tuple(cfg.factor.targets), density=cfg.factor.density, seed=cfg.factor.seed,
+                )
+            except ValueError as e:
+                raise ConfigError(f"factor: {e}") from None
+        set_activation_checkpointing(model, t.activation_checkpointing)
+        if t.precision == "bf16-pure":
+            model = model.to(torch.bfloat16)
+        model = model.to(self.acc.device)
+
+        # Optimizer (+ restart events) and schedule
+        groups = build_param_groups(model, cfg)
+        try:
+            opt = optimizers.build_optimizer(cfg.optim.name, groups, **optimizer_kwargs(cfg))
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"optim: {e}") from None
+        if cfg.restarts.every > 0:
+            opt = self._wrap_restarts(opt, model)
+        self.inner_opt = opt
+        self.sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
+        self.model, self.opt = self.acc.prepare(model, opt)
+        self.progress = Progress()
+        if self.resume_path is not None:
+            self._load(self.resume_path, allow_config_change)
+
+    # -- set-up helpers -----------------------------------------------------------------------
+    def _trackers(self) -> list[str]:
+        import importlib.util
+
+        for name in self.cfg.train.trackers:
+            if importlib.util.find_spec(name) is None:
+                raise ConfigError(f"train.trackers: {name} is not installed (pip install 'effpretrain[track]')")
+        return list(self.cfg.train.trackers)
+
+    def _wrap_restarts(self, opt: torch.optim.Optimizer, model: torch.nn.Module) -> torch.optim.Optimizer:
+        from effpretrain.models import factor_pairs, relora_merge_
+        from optimizers import Restarts
+
+        r, kind = self.cfg.restarts, self.cfg.factor.kind
+        hooks = [lambda: relora_merge_(model)] if kind == "relora" else []
+        pairs = factor_pairs(model) if (r.refactorize and kind in ("lowrank", "sltrain")) else []
+        return Restarts(
+            opt, pairs, r.every,
+            refactorize=bool(pairs), reset_momentum=r.reset_momentum or kind == "relora", hooks=hooks,
+        )
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def _trainer_state(self) -> dict[str, Any]:
+        p = self.progress
+        st = {
+            "step": p.step,
+            "tokens": p.tokens,
+            "skipped": p.skipped,
+            "data": self.stream.state_dict(),
+            "scheduler": self.sched.state_dict(),
+            "rng_cpu": torch.get_rng_state(),
+            "world_size": self.world,
+            "config": to_dict(self.cfg),
+        }
+        if torch.cuda.is_available():
+            st["rng_cuda"] = torch.cuda.get_rng_state()
+        return st
+
+    def save(self) -> Path | None:
+        self.acc.wait_for_everyone()
+        path = None
+        if self.is_main:
+            model_state = self.acc.unwrap_model(self.model).state_dict()
+            path = ckpt.save_checkpoint(
+                self.out / "checkpoints",
+                self.progress.step,
+                model_state,
+                self.inner_opt.state_dict(),
+                self._trainer_state(),
+                dump_yaml(self.cfg),
+                keep=self.cfg.train.keep_checkpoints,
+            )
+            log.info("saved checkpoint %s", path)
+        self.acc.wait_for_everyone()
+        return path
+
+    def _check_compatible(self, saved: dict[str, Any], allow: bool) -> None:
+        now = to_dict(self.cfg)
+        diffs = []
+        for section, keys in EXACTNESS_KEYS.items():
+            a, b = saved.get(section, {}), now[section]
+            for k in keys or b.keys():
+                if a.get(k) != b.get(k):
+                    diffs.append(f"{section}.{k}: {a.get(k)!r} -> {b.get(k)!r}")
+        if diffs and not allow:
+            raise ConfigError(
+                "resume config differs in what exact resume depends on ("
+                + "; ".join(diffs[:4])
+                + "); pass --allow-config-change to resume anyway"
+            )
+
+    def _load(self, path: Path, allow_config_change: bool) -> None:
+        state = ckpt.load_checkpoint(path)
+        tr = state["trainer"]
+        self._check_compatible(tr.get("config", {}), allow_config_change)
+        if tr.get("world_size", 1) != self.world:
+            raise ConfigError(
+                f"checkpoint {path} was written by {tr.get('world_size')} processes, this run has {self.world}; "
+                "resume with the same number of processes"
+            )
+        model = self.acc.unwrap_model(self.model)
+        missing, unexpected = model.load_state_dict(state["model"], strict=False)
+        # Non-persistent buffers (rotary inv_freq) are rebuilt, not saved.
+        if unexpected or [k for k in missing if k in dict(model.named_parameters())]:
+            raise ConfigError(f"checkpoint {path} does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        try:
+            self.inner_opt.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise ConfigError(f"checkpoint {path}: optimizer state does not match ({e})".splitlines()[0]) from None
+        self.sched.load_state_dict(tr["scheduler"])
+        self.stream.load_state_dict(tr["data"])
+        torch.set_rng_state(tr["rng_cpu"])
+        if "rng_cuda" in tr and torch.cuda.is_available():
+            torch.cuda.set_rng_state(tr["rng_cuda"])
+        self.progress = Progress(step=int(tr["step"]), tokens=int(tr["tokens"]), skipped=int(tr.get("skipped", 0)))
+        log.info("resumed from %s at step %d", path, self.progress.step)
+
+    # -- eval ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, float]:
+        """Exact token-weighted validation loss over the fixed held-out rows, and exp of it."""
+        self.model.eval()
+        B, dev = self.cfg.train.batch_size, self.acc.device
+        n = self.val["input_ids"].size(0)
+        total = torch.zeros(2, dtype=torch.float64, device=dev)
+        for lo in range(self.rank * B, n, B * self.world):
+            batch = {k: v[lo : lo + B].to(dev) for k, v in self.val.items()}
+            with self.acc.autocast():
+                s, c = token_loss_sum(self.model, batch)
+            total += torch.tensor([s.item(), c], dtype=torch.float64, device=dev)
+        total = self.acc.reduce(total, reduction="sum")
+        self.model.train()
+        loss = (total[0] / total[1]).item()
+        return loss, math.exp(min(loss, 50.0))
+
+    # -- the loop -----------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        cfg, t, p = self.cfg, self.cfg.train, self.progress
+        self.out.mkdir(parents=True, exist_ok=True)
+        if self.is_main:
+            (self.out / "config.yaml").write_text(dump_yaml(cfg))
+        if self.acc.trackers:
+            self.acc.init_trackers(cfg.method or "effpretrain", config=_flat(to_dict(cfg)))
+        metrics_path = self.out / "metrics.jsonl"
+        mfile = open(metrics_path, "a") if self.is_main else None
+        stop = {"signal": None}
+
+        def on_signal(signum, _frame):  # finish the step, save, exit 0
+            stop["signal"] = signum
+
+        old_handlers = {}
+        for s in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(ValueError):  # not in the main thread
+                old_handlers[s] = signal.signal(s, on_signal)
+
+        pbar = None
+        if self.is_main:
+            from tqdm.auto import tqdm
+
+            pbar = tqdm(total=t.max_steps, initial=p.step, desc=cfg.method, dynamic_ncols=True, file=sys.stderr)
+        tokens_per_step = t.batch_size * t.grad_accum * self.world * cfg.data.seq_len
+        train_time, start_wall = 0.0, time.time()
+        last_val: tuple[float, float] | None = None
+        grad_bytes = 0
+        self.model.train()
+        try:
+            while p.step < t.max_steps and stop["signal"] is None:
+                t0 = time.perf_counter()
+                loss, gnorm, finite = self._train_step()
+                if not grad_bytes:
+                    grad_bytes = self._grad_bytes()
+                train_time += time.perf_counter() - t0
+                if not finite:
+                    p.skipped += 1
+                    p.consecutive_skips += 1
+                    log.warning("step %d: non-finite loss/grad norm, optimizer step skipped", p.step + 1)
+                    self._write(mfile, {"event": "skip", "step": p.step, "loss": loss, "grad_norm": gnorm})
+                    if p.consecutive_skips >= t.max_consecutive_skips:
+                        raise NonFiniteError(
+                            f"{p.consecutive_skips} consecutive non-finite steps at step {p.step}; "
+                            "stopping (the last good checkpoint is kept)"
+                        )
+                    continue
+                p.consecutive_skips = 0
+                p.step += 1
+                p.tokens += tokens_per_step
+                tps = p.tokens / max(train_time, 1e-9) if p.step else 0.0
+                if p.step % t.log_every == 0 or p.step == t.max_steps:
+                    rec = {
+                        "step": p.step,
+                        "tokens": p.tokens,
+                        "loss": loss,
+                        "lr": self.sched.get_last_lr()[0],
+                        "grad_norm": gnorm,
+                        "tokens_per_s": tokens_per_step / max(time.perf_counter() - t0, 1e-9),
+                        "peak_memory_bytes": memory.peak_memory_bytes(self.acc.device),
+                        "optimizer_state_bytes": optimizers.measured_state_bytes(self.inner_opt),
+                        **self._opt_telemetry(),
+                    }
+                    self._write(mfile, rec)
+                if t.eval_every and (p.step % t.eval_every == 0 or p.step == t.max_steps):
+                    last_val = self.evaluate()
+                    self._write(mfile, {"event": "eval", "step": p.step, "tokens": p.tokens,
+                                        "val_loss": last_val[0], "val_ppl": last_val[1]})
+                    if self.is_main:
+                        tqdm_write(pbar, f"step {p.step}: val_loss {last_val[0]:.4f}  val_ppl {last_val[1]:.2f}")
+                if t.save_every and p.step % t.save_every == 0 and p.step < t.max_steps:
+                    self.save()
+                if pbar is not None:
+                    pbar.update(1)
+                    pbar.set_postfix(
+                        loss=f"{loss:.3f}", ppl=f"{math.exp(min(loss, 50)):.1f}", tok_s=f"{tps:,.0f}",
+                        mem=f"{memory.peak_memory_bytes(self.acc.device) / 2**30:.2f}G",
+                    )
+        finally:
+            if pbar is not None:
+                pbar.close()
+            for s, h in old_handlers.items():
+                signal.signal(s, h)
+        if stop["signal"] is not None:
+            self.save()
+            log.info("stopped by signal %d at step %d; resume with --resume auto", stop["signal"], p.step)
+            if mfile:
+                mfile.close()
+            return {"stopped_by_signal": stop["signal"], "step": p.step}
+        if last_val is None or (t.eval_every and p.step % t.eval_every and p.step):
+            last_val = self.evaluate()
+        self.save()
+        summary = self._summary(last_val, train_time, time.time() - start_wall, grad_bytes)
+        if self.is_main:
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+            if t.plot:
+                plot_run(metrics_path, self.out / "curves.png")
+        if mfile:
+            mfile.close()
+        if self.acc.trackers:
+            self.acc.end_training()
+        return summary
+
+    def _train_step(self) -> tuple[float, float, bool]:
+        """Accumulates one global batch, clips, steps; returns (loss, grad_norm, finite)."""
+        micro, n_targets = self.batches.next_step()
+        dev, K = self.acc.device, len(micro)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
+        for k, mb in enumerate(micro):
+            mb = {key: v.to(dev) for key, v in mb.items()}
+            sync = contextlib.nullcontext() if k == K - 1 else self.acc.no_sync(self.model)
+            with sync, self.acc.autocast():
+                s, _ = token_loss_sum(self.model, mb)
+                # DDP averages gradients over ranks: scale so the result is the global token mean.
+                self.acc.backward(s * (self.world / n_targets))
+            loss_sum += s.detach()
+        loss = self.acc.reduce(loss_sum, reduction="sum").item() / n_targets
+        if self.cfg.train.grad_clip > 0:
+            gnorm = float(self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip))
+        else:
+            gnorm = float(torch.linalg.vector_norm(
+                torch.stack([q.grad.detach().float().norm() for q in self.model.parameters() if q.grad is not None])
+            ))
+        finite = math.isfinite(loss) and math.isfinite(gnorm)
+        if finite:
+            self.opt.step()
+            self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss, gnorm, finite
+
+    def _grad_bytes(self) -> int:
+        return sum(q.numel() * q.element_size() for q in self.model.parameters() if q.requires_grad)
+
+    def _opt_telemetry(self) -> dict[str, Any]:
+        inner = getattr(self.inner_opt, "optimizer", self.inner_opt)
+        out = {}
+        for o in (self.inner_opt, inner):
+            if hasattr(o, "refresh_count"):
+                out["opt/refreshes"] = int(o.refresh_count)
+                out["opt/refresh_s"] = float(getattr(o, "refresh_seconds", 0.0))
+            if hasattr(o, "restart_count"):
+                out["opt/restarts"] = int(o.restart_count)
+        return out
+
+    def _write(self, fh, rec: dict[str, Any]) -> None:
+        if fh is not None:
+            fh.write(json.dumps(rec) + "\n")
+            fh.flush()
+        if self.acc.trackers and "step" in rec:
+            self.acc.log({k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "step"}, step=rec["step"])
+
+    def _summary(self, val, train_time: float, wall: float, grad_bytes: int) -> dict[str, Any]:
+        import transformers
+
+        model = self.acc.unwrap_model(self.model)
+        params = sum(q.numel() for q in model.parameters())
+        trainable = sum(q.numel() for q in model.parameters() if q.requires_grad)
+        weight_bytes = sum(v.numel() * v.element_size() for v in model.state_dict().values())
+        est = memory.estimate_from_config(self.cfg, self.tok.vocab_size, self.world, "ddp" if self.world > 1 else "none")
+        measured_state = optimizers.measured_state_bytes(self.inner_opt)
+        p = self.progress
+        return {
+            "method": self.cfg.method,
+            "optimizer": self.cfg.optim.name,
+            "factor": self.cfg.factor.kind,
+            "model": self.cfg.model.preset,
+            "params": params,
+            "trainable_params": trainable,
+            "steps": p.step,
+            "tokens": p.tokens,
+            "skipped_steps": p.skipped,
+            "final_val_loss": val[0],
+            "final_val_ppl": val[1],
+            "tokens_per_s": p.tokens / max(train_time, 1e-9),
+            "wall_s": wall,
+            "peak_memory_bytes": memory.peak_memory_bytes(self.acc.device),
+            "optimizer_state_bytes": measured_state,
+            "weight_bytes": weight_bytes,
+            "grad_bytes": grad_bytes,
+            "estimated": est.as_dict(),
+            "estimate_matches_measured": {
+                "optimizer_state": est.optimizer_state == measured_state,
+                "weights": est.weights == weight_bytes,
+            },
+            "device": _device_name(self.acc.device),
+            "world_size": self.world,
+            "precision": self.cfg.train.precision,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "git_commit": git_commit(),
+            "config_hash": config_hash(self.cfg),
+            **self._opt_telemetry(),
+        }
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive non-finite steps: a training failure, reported without a traceback."""
+
+
+def tqdm_write(pbar, msg: str) -> None:
+    if pbar is not None:
+        pbar.write(msg, file=sys.stdout)
+    else:
+        print(msg, flush=True)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return out
+
+
+def plot_run(metrics_path: Path, out_png: Path) -> None:
+    """Training loss and validation perplexity against step, from metrics.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train, val = [], []
+    for line in metrics_path.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("event") == "eval":
+            val.append((rec["step"], rec["val_ppl"]))
+        elif "loss" in rec and "event" not in rec:
+            train.append((rec["step"], rec["loss"]))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    if train:
+        a.plot(*zip(*train))
+    a.set(xlabel="step", ylabel="train loss", title="training loss")
+    if val:
+        b.plot(*zip(*val), marker="o")
+        b.set_yscale("log")
+    b.set(xlabel="step", ylabel="val perplexity", title="validation perplexity")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+
+
+def train(cfg: RunConfig, out_dir: str | Path, resume: str | None = None, allow_config_change: bool = False) -> dict[str, Any]:
+    """Runs one training job to completion (or to a signal) and returns its summary."""
+    return Trainer(cfg, Path(out_dir), resume, allow_config_change).fit()
