@@ -187,6 +187,8 @@ def validate(cfg: RunConfig, source: str = "config") -> RunConfig:
                 raise ConfigError(f"{source}: train.{key} entry {t!r} is not one of tensorboard, wandb")
     if cfg.data.source == "files" and not cfg.data.path:
         raise ConfigError(f"{source}: data.path is required when data.source=files")
+    if cfg.data.source == "files" and not Path(cfg.data.path).expanduser().exists():
+        raise ConfigError(f"{source}: data.path not found: {cfg.data.path}")
     if cfg.data.source == "hub" and not cfg.data.name:
         raise ConfigError(f"{source}: data.name is required when data.source=hub")
     from optimizers import OPTIMIZERS

@@ -373,7 +373,10 @@ class Trainer:
         if self.is_main:
             from tqdm.auto import tqdm
 
-            pbar = tqdm(total=t.max_steps, initial=p.step, desc=cfg.method, dynamic_ncols=True, file=sys.stderr)
+            pbar = tqdm(
+                total=t.max_steps, initial=p.step, desc=cfg.method, dynamic_ncols=True, file=sys.stderr,
+                mininterval=0.5 if sys.stderr.isatty() else 10.0,
+            )
         tokens_per_step = t.batch_size * t.grad_accum * self.world * cfg.data.seq_len
         train_time, start_wall = 0.0, time.time()
         last_val: tuple[float, float] | None = None

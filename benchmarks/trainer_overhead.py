@@ -1,0 +1,86 @@
+"""Trainer overhead: effpretrain's training step vs a bare PyTorch loop, in one process, alternating.
+
+Both loops train the same preset, with the same batch shape and the same optimizer (torch AdamW,
+foreach) and clipping. effpretrain's side is the real `Trainer._train_step` (token stream,
+Accelerate wrappers, token-weighted loss, clipping, scheduler); the bare side is a plain
+forward/backward/clip/step on pre-built batches. Blocks of steps alternate so that machine noise
+hits both equally. Prints tokens/s of each and the ratio (target: effpretrain >= 0.95 x bare).
+
+    python benchmarks/trainer_overhead.py [--preset tiny] [--rounds 6] [--steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=6, help="alternating rounds")
+    ap.add_argument("--steps", type=int, default=5, help="optimizer steps per block")
+    args = ap.parse_args()
+
+    from effpretrain.config import load_config
+    from effpretrain.models import build_model
+    from effpretrain.trainer import Trainer
+
+    total_steps = 2 + args.rounds * args.steps + 5
+    cfg = load_config(None, [
+        f"model.preset={args.preset}", f"data.seq_len={args.seq_len}", f"train.batch_size={args.batch_size}",
+        f"train.max_steps={total_steps}", "train.eval_every=0", "train.plot=false", "optim.name=adamw",
+    ])
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = Trainer(cfg, Path(tmp) / "run")
+        trainer.model.train()
+
+        bare = build_model(args.preset, trainer.tok.vocab_size, args.seq_len, seed=1)
+        bare.train()
+        opt = torch.optim.AdamW(bare.parameters(), lr=cfg.optim.lr, foreach=True)
+        gen = torch.Generator().manual_seed(0)
+        batches = [torch.randint(0, trainer.tok.vocab_size, (args.batch_size, args.seq_len), generator=gen)
+                   for _ in range(8)]
+
+        def bare_step(i: int) -> None:
+            ids = batches[i % len(batches)]
+            loss = bare(input_ids=ids, labels=ids).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(bare.parameters(), cfg.train.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        def ours_step(i: int) -> None:
+            trainer._train_step()
+
+        for i in range(2):  # warm-up both
+            bare_step(i)
+            ours_step(i)
+        times = {"effpretrain": 0.0, "bare": 0.0}
+        for r in range(args.rounds):
+            order = [("effpretrain", ours_step), ("bare", bare_step)]
+            if r % 2:
+                order.reverse()
+            for name, fn in order:
+                t0 = time.perf_counter()
+                for i in range(args.steps):
+                    fn(i)
+                times[name] += time.perf_counter() - t0
+        tokens = args.rounds * args.steps * args.batch_size * args.seq_len
+        tps = {k: tokens / v for k, v in times.items()}
+        ratio = tps["effpretrain"] / tps["bare"]
+        print(f"preset {args.preset}, batch {args.batch_size} x {args.seq_len}, {args.rounds} alternating rounds "
+              f"of {args.steps} steps, threads {torch.get_num_threads()}")
+        print(f"  bare PyTorch loop : {tps['bare']:>10,.0f} tokens/s")
+        print(f"  effpretrain loop  : {tps['effpretrain']:>10,.0f} tokens/s")
+        print(f"  ratio effpretrain/bare = {ratio:.3f}  (target >= 0.95: {'met' if ratio >= 0.95 else 'NOT met'})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Memory estimator claims: shapes equal the real model's, paper numbers, checkpointing, sharding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from effpretrain.memory import estimate, llama_param_specs
+from effpretrain.models import build_model
+
+
+@pytest.mark.parametrize("preset", ["tiny", "llama_20m"])
+def test_param_specs_equal_the_real_model(preset):
+    model = build_model(preset, vocab_size=1000, max_positions=64)
+    real = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    assert real == [(s.name, s.shape) for s in llama_param_specs(preset, 1000)]
+
+
+@pytest.mark.parametrize(
+    "preset, params_m",
+    [("llama_60m", 58.07), ("llama_130m", 134.1), ("llama_350m", 367.97), ("llama_1b", 1339.08)],
+)
+def test_paper_sizes_param_counts(preset, params_m):
+    assert estimate(preset).params / 1e6 == pytest.approx(params_m, abs=0.05)
+
+
+@pytest.mark.parametrize("preset, gb", [("llama_60m", 0.35), ("llama_130m", 0.81), ("llama_350m", 2.21), ("llama_1b", 8.04)])
+def test_adamw_weights_plus_state_match_paper_table(preset, gb):
+    est = estimate(preset, "adamw", dtype="bf16")
+    assert est.weights_plus_optimizer / 1e9 == pytest.approx(gb, abs=0.01)
+
+
+def test_adamw_formula_is_exact_per_param():
+    est = estimate("tiny", "adamw", dtype="fp32", vocab_size=512)
+    n_tensors = len(llama_param_specs("tiny", 512))
+    # two fp32 moments per element + torch's float32 step scalar per tensor
+    assert est.optimizer_state == 2 * 4 * est.params + 4 * n_tensors
+    assert est.weights == est.grads == 4 * est.params
+
+
+def test_activation_checkpointing_and_sharding_reduce_memory():
+    full = estimate("llama_60m", batch_size=8, seq_len=256)
+    ck = estimate("llama_60m", batch_size=8, seq_len=256, activation_checkpointing=1)
+    ck2 = estimate("llama_60m", batch_size=8, seq_len=256, activation_checkpointing=2)
+    assert ck.activations < ck2.activations < full.activations
+    sharded = estimate("llama_1b", world_size=8, sharding="fsdp2")
+    one = estimate("llama_1b")
+    assert sharded.weights == -(-one.weights // 8) and sharded.optimizer_state == -(-one.optimizer_state // 8)
+    ddp = estimate("llama_1b", world_size=8, sharding="ddp")
+    assert ddp.weights == one.weights
+
+
+def test_bf16_halves_weights():
+    assert estimate("tiny", dtype="bf16").weights * 2 == estimate("tiny", dtype="fp32").weights
+    assert torch.finfo(torch.bfloat16).bits == 16
