@@ -33,10 +33,18 @@ def main() -> None:
     from effpretrain.trainer import Trainer
 
     total_steps = 2 + args.rounds * args.steps + 5
-    cfg = load_config(None, [
-        f"model.preset={args.preset}", f"data.seq_len={args.seq_len}", f"train.batch_size={args.batch_size}",
-        f"train.max_steps={total_steps}", "train.eval_every=0", "train.plot=false", "optim.name=adamw",
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"model.preset={args.preset}",
+            f"data.seq_len={args.seq_len}",
+            f"train.batch_size={args.batch_size}",
+            f"train.max_steps={total_steps}",
+            "train.eval_every=0",
+            "train.plot=false",
+            "optim.name=adamw",
+        ],
+    )
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(cfg, Path(tmp) / "run")
         trainer.model.train()
@@ -45,8 +53,10 @@ def main() -> None:
         bare.train()
         opt = torch.optim.AdamW(bare.parameters(), lr=cfg.optim.lr, foreach=True)
         gen = torch.Generator().manual_seed(0)
-        batches = [torch.randint(0, trainer.tok.vocab_size, (args.batch_size, args.seq_len), generator=gen)
-                   for _ in range(8)]
+        batches = [
+            torch.randint(0, trainer.tok.vocab_size, (args.batch_size, args.seq_len), generator=gen)
+            for _ in range(8)
+        ]
 
         def bare_step(i: int) -> None:
             ids = batches[i % len(batches)]
@@ -75,11 +85,15 @@ def main() -> None:
         tokens = args.rounds * args.steps * args.batch_size * args.seq_len
         tps = {k: tokens / v for k, v in times.items()}
         ratio = tps["effpretrain"] / tps["bare"]
-        print(f"preset {args.preset}, batch {args.batch_size} x {args.seq_len}, {args.rounds} alternating rounds "
-              f"of {args.steps} steps, threads {torch.get_num_threads()}")
+        print(
+            f"preset {args.preset}, batch {args.batch_size} x {args.seq_len}, {args.rounds} alternating rounds "
+            f"of {args.steps} steps, threads {torch.get_num_threads()}"
+        )
         print(f"  bare PyTorch loop : {tps['bare']:>10,.0f} tokens/s")
         print(f"  effpretrain loop  : {tps['effpretrain']:>10,.0f} tokens/s")
-        print(f"  ratio effpretrain/bare = {ratio:.3f}  (target >= 0.95: {'met' if ratio >= 0.95 else 'NOT met'})")
+        print(
+            f"  ratio effpretrain/bare = {ratio:.3f}  (target >= 0.95: {'met' if ratio >= 0.95 else 'NOT met'})"
+        )
 
 
 if __name__ == "__main__":

@@ -143,9 +143,9 @@ def find_resume(run_dir: Path, resume: str) -> Path | None:
                 return p
             except ConfigError as e:
                 log.warning("skipping checkpoint %s: %s", p.name, e)
-        if root.is_dir() and any(_STEP_DIR.match(p.name.split(".tmp-")[0]) for p in root.iterdir()):
-            if done:
-                raise ConfigError(f"{root}: checkpoints exist but none is loadable")
+        if root.is_dir() and any(_STEP_DIR.match(p.name) for p in root.iterdir()):
+            # Starting over would silently discard a run: refuse instead.
+            raise ConfigError(f"{root}: checkpoints exist but none is complete and loadable")
         return None
     p = Path(resume)
     if not p.exists():

@@ -373,6 +373,17 @@ class TokenStream:
             i += n
         self._order, self._hub_iter = None, None
 
+    def snapshot(self) -> tuple:
+        """A cheap in-memory copy of the position (to undo a skipped step's draw)."""
+        return (self.epoch, self.cursor, list(self.buffer), [list(p) for p in self.pending], self._order)
+
+    def restore(self, snap: tuple) -> None:
+        epoch, cursor, buffer, pending, order = snap
+        hub_stale = self.corpus.streaming and (epoch, cursor) != (self.epoch, self.cursor)
+        self.epoch, self.cursor, self.buffer, self.pending, self._order = epoch, cursor, buffer, pending, order
+        if hub_stale:
+            self._hub_iter = None
+
     # -- documents -----------------------------------------------------------------------------
     def _epoch_order(self) -> list[int]:
         if self._order is None:
@@ -447,13 +458,21 @@ def count_targets(labels: torch.Tensor) -> int:
 class Batches:
     """Global optimizer-step batches from a TokenStream, sliced for one rank."""
 
-    def __init__(self, stream: TokenStream, batch_size: int, grad_accum: int, rank: int = 0, world: int = 1):
+    def __init__(
+        self, stream: TokenStream, batch_size: int, grad_accum: int, rank: int = 0, world: int = 1,
+        vocab_size: int | None = None,
+    ):
         self.stream, self.B, self.K, self.rank, self.world = stream, batch_size, grad_accum, rank, world
+        self.vocab_size = vocab_size
 
     def next_step(self) -> tuple[list[dict[str, torch.Tensor]], int]:
         """This rank's micro-batches for one optimizer step, and the step's global target count."""
         B, W = self.B, self.world
         rows = self.stream.next_rows(self.K * W * B)
+        if self.vocab_size is not None and int(rows["input_ids"].max()) >= self.vocab_size:
+            raise ConfigError(
+                f"token id {int(rows['input_ids'].max())} is beyond the model's vocabulary ({self.vocab_size})"
+            )
         total = count_targets(rows["labels"])
         micro = []
         for k in range(self.K):

@@ -98,6 +98,9 @@ def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str,
             f"optim.targets={sorted(targets)} matched no linear weight to project "
             f"(method {o.name}, factor.kind={cfg.factor.kind})"
         )
+    for p in proj:
+        if o.rank > min(p.shape) and o.name != "apollo_mini":
+            raise ConfigError(f"optim.rank={o.rank} exceeds min(m, n)={min(p.shape)} of a projected {tuple(p.shape)} weight")
     groups = []
     if proj:
         groups.append({"params": proj, "weight_decay": o.weight_decay, **memory.projection_group(o)})
@@ -192,7 +195,9 @@ class Trainer:
             self.corpus = data_mod.load_corpus(cfg.data)
             self.tok = data_mod.load_tokenizer(cfg.data, self.corpus)
         self.stream = data_mod.TokenStream(self.corpus, self.tok, cfg.data.seq_len, cfg.data.mode, cfg.data.shuffle_seed)
-        self.batches = data_mod.Batches(self.stream, t.batch_size, t.grad_accum, self.rank, self.world)
+        self.batches = data_mod.Batches(
+            self.stream, t.batch_size, t.grad_accum, self.rank, self.world, vocab_size=self.tok.vocab_size
+        )
         n_val = t.eval_batches * t.batch_size * self.world
         self.val = data_mod.validation_rows(self.corpus, self.tok, cfg.data.seq_len, cfg.data.mode, n_val)
 
@@ -458,8 +463,10 @@ class Trainer:
 
     def _train_step(self) -> tuple[float, float, bool]:
         """Accumulates one global batch, clips, steps; returns (loss, grad_norm, finite)."""
+        snap = self.stream.snapshot()
         micro, n_targets = self.batches.next_step()
         dev, K = self.acc.device, len(micro)
+        n_targets = max(n_targets, 1)  # an all-padding batch contributes zero loss, never NaN
         loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
         for k, mb in enumerate(micro):
             mb = {key: v.to(dev) for key, v in mb.items()}
@@ -480,6 +487,9 @@ class Trainer:
         if finite:
             self.opt.step()
             self.sched.step()
+        else:
+            # Nothing advances on a skipped step: not the schedule, the optimizer, nor the data.
+            self.stream.restore(snap)
         self.opt.zero_grad(set_to_none=True)
         return loss, gnorm, finite
 

@@ -1,0 +1,105 @@
+"""8-bit AdamW: bitsandbytes' block-wise quantized AdamW with our exact state-memory formula.
+
+The update rule is bitsandbytes' (Dettmers et al. 2022, "8-bit Optimizers via Block-wise
+Quantization"): AdamW whose moments m (signed dynamic map) and v (unsigned dynamic map) are
+stored as uint8 codes with one fp32 absmax per block of 256 entries, dequantized for the update
+and re-quantized after it. Tensors smaller than `min_8bit_size` keep fp32 moments.
+
+This is the one file in optimizers/ that imports bitsandbytes; the registry imports it only when
+"adamw_8bit" is asked for, so the rest of the package works without it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+try:
+    import bitsandbytes as bnb
+except ImportError as err:  # the registry imports this module lazily, so only users of adamw_8bit see this
+    raise ImportError(
+        "optimizer 'adamw_8bit' needs bitsandbytes (>= 0.45): pip install bitsandbytes"
+    ) from err
+
+__all__ = ["AdamW8bit"]
+
+# bitsandbytes' block-wise 8-bit state: one fp32 absmax per block of this many entries.
+_BLOCKSIZE = 256
+# Each 8-bit moment keeps a reference to its 256-entry fp32 quantization map (qmap1, qmap2).
+_QMAP_ENTRIES = 256
+
+
+class AdamW8bit(bnb.optim.AdamW8bit):
+    r"""bitsandbytes.optim.AdamW8bit plus `state_bytes` and a per-group `min_8bit_size`.
+
+    Update (per step k, decoupled weight decay lambda, as torch's AdamW up to the 8-bit
+    round trip of m and v)::
+
+        m <- beta1 m + (1 - beta1) G,   v <- beta2 v + (1 - beta2) G^2
+        p <- p (1 - eta lambda) - eta / (1 - beta1^k) m / (sqrt(v / (1 - beta2^k)) + eps)
+
+    State keys are bitsandbytes' own (``step`` int, ``state1`` = exp_avg, ``state2`` =
+    exp_avg_sq, ``absmax1``/``absmax2``, ``qmap1``/``qmap2``); state_dict() nests the quantized
+    tensors under one key, and torch.load(weights_only=True) restores it. Under Accelerate the
+    class is used unchanged.
+
+    Args:
+        params: Parameters or param groups (torch format); a group may set ``min_8bit_size``.
+        lr: Learning rate eta.
+        betas: (beta1, beta2).
+        eps: epsilon.
+        weight_decay: Decoupled weight decay lambda (bitsandbytes' default 1e-2).
+        min_8bit_size: Tensors with fewer entries keep fp32 moments (bitsandbytes default 4096).
+        **kwargs: Passed to bitsandbytes.optim.AdamW8bit (e.g. ``is_paged``).
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        min_8bit_size: int = 4096,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            min_8bit_size=min_8bit_size,
+            **kwargs,
+        )
+        # Recorded per group so state_bytes(shape, group, dtype) sees the value actually used.
+        for group in self.param_groups:
+            group.setdefault("min_8bit_size", min_8bit_size)
+
+    def get_config(self, gindex: int, pindex: int, group: dict[str, Any]) -> dict[str, Any]:
+        """bitsandbytes' per-parameter config, with the group's ``min_8bit_size`` taking effect."""
+        config = super().get_config(gindex, pindex, group)
+        config["min_8bit_size"] = group.get("min_8bit_size", config["min_8bit_size"])
+        return config
+
+    @classmethod
+    def state_bytes(cls, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+        """Exact bytes of state tensors one parameter holds after >= 1 step (any param dtype).
+
+        With numel = prod(shape) and B = ceil(numel / 256):
+
+        - numel >= min_8bit_size (default 4096): ``2 * numel + 2 * 4 * B + 2 * 4 * 256``
+          (uint8 state1/state2, fp32 absmax1/absmax2, and the fp32 qmap1/qmap2 every param's
+          state refers to; the qmaps are shared by all params in memory, but are counted per
+          param, as a sum over state tensors counts them);
+        - otherwise: ``2 * 4 * numel`` (fp32 state1/state2).
+
+        ``step`` is a python int (0 bytes). `group` keys read: ``min_8bit_size``.
+        """
+        numel = math.prod(shape)
+        if numel >= group.get("min_8bit_size", 4096):
+            blocks = -(-numel // _BLOCKSIZE)
+            return 2 * numel + 2 * 4 * blocks + 2 * 4 * _QMAP_ENTRIES
+        return 2 * 4 * numel

@@ -1,0 +1,521 @@
+"""`ProjectedAdam`: the shared base of the gradient-projection optimizers (GaLore, Fira, APOLLO).
+
+It owns everything that is not the method's own update rule: param-group parsing and
+eligibility, defaults, the basis-refresh schedule, the (low-rank) Adam moments, the AdamW
+convention, zero-gradient dummy steps, exact resume, telemetry and the state-memory formula.
+A subclass writes one hook, `_projected_update`, that turns the low-rank Adam output into the
+full-size update direction (GaLore: alpha back(N); Fira: + the scaled residual; APOLLO: the
+channel-scaled raw gradient).
+
+Public, stable API (other modules build on it):
+
+* Param groups are torch's. A group that has ``rank`` (galore-torch / apollo-torch / fira format:
+  ``rank``, ``update_proj_gap``, ``proj_type``, ``scale`` (Fira: ``alpha``)) is projected; any other
+  group runs plain AdamW. At construction each group gets ``group["project"] = True/False`` and
+  every missing key is filled from the defaults; step() never changes ``param_groups``.
+* Projected-group keys and defaults (`PROJECTION_DEFAULTS`): ``rank`` (r, required),
+  ``update_proj_gap`` (T, 200), ``proj_type`` ("std"), ``scale`` (alpha, 1.0), ``basis``
+  ("randomized_svd" | "svd" | "random" | "identity"), ``oversample`` (p), ``power_iters`` (q),
+  ``warm_start`` (True), ``seed`` (0). Every group also has ``lr`` (eta, 1e-3), ``betas``
+  (beta1, beta2 = 0.9, 0.999), ``eps`` (epsilon, 1e-6), ``weight_decay`` (lambda, 0.0),
+  ``correct_bias`` (True) and ``adam_convention`` ("reference" | "torch", see below).
+* State per parameter (tensors and python numbers only; torch's key names):
+  ``step`` (int t), ``exp_avg`` / ``exp_avg_sq`` (M, V: low-rank shape for projected params, the
+  parameter's shape otherwise; parameter dtype), and for projected params ``basis`` (P, parameter
+  dtype, absent for the "random" method which is regenerated), ``refresh`` (int k, bases computed
+  so far) and ``seed`` (int). Subclasses may add keys (Fira: ``residual_norm``).
+* Telemetry attributes: ``refresh_count`` (int), ``refresh_seconds`` (float), ``failed_refreshes``
+  (int): cumulative since construction (not saved in the state dict).
+* ``state_bytes(shape, group, dtype)`` classmethod: exact bytes of tensor state after >= 1 step.
+
+Schedule (galore-torch's): on a parameter's own pre-increment counter t, the basis is recomputed
+when t % T == 0 (so on steps 1, T + 1, 2T + 1, ... counting from 1) or when none exists yet.
+Moments are kept across refreshes (standard GaLore).
+
+Adam conventions (``adam_convention``):
+
+* "reference" (default; galore-torch, fira and apollo-torch, i.e. the old transformers AdamW):
+  M <- beta1 M + (1 - beta1) R;  V <- beta2 V + (1 - beta2) R^2;  N = M / (sqrt(V) + eps);
+  W <- W - eta_t D(N);  then W <- W - eta lambda W;  with eta_t = eta sqrt(1 - beta2^t) / (1 - beta1^t).
+* "torch" (torch.optim.AdamW): W <- W (1 - eta lambda) first; N = M / (sqrt(V / (1 - beta2^t)) + eps),
+  eta_t = eta / (1 - beta1^t). The two differ only in where eps enters and in the (second-order)
+  order of weight decay; with the identity basis "torch" reproduces torch.optim.AdamW.
+
+A parameter whose gradient is entirely zero in a step (distributed checkpoint loaders step once on
+zero gradients to materialise state) gets its state allocated (zeros) but is otherwise skipped: no
+basis is computed, its counter t does not advance, the weight is not touched. The check costs one
+host synchronisation per step for all parameters together.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
+
+import torch
+
+from optimizers import projection as proj
+
+ADAM_CONVENTIONS: tuple[str, ...] = ("reference", "torch")
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class ProjectedAdam(torch.optim.Optimizer):
+    """AdamW whose groups with ``rank`` run Adam on a projected gradient R = proj(G) (base class).
+
+    Args:
+        params: parameters or torch param groups; groups with ``rank`` are projected.
+        lr: eta, learning rate.
+        betas: (beta1, beta2), Adam's moment coefficients.
+        eps: epsilon, added to sqrt(V) (placement per `adam_convention`).
+        weight_decay: lambda, decoupled weight decay.
+        correct_bias: apply Adam's bias correction (1 - beta^t).
+        adam_convention: "reference" (galore-torch numerics) or "torch" (torch.optim.AdamW numerics).
+        **options: defaults for projected groups' keys (`PROJECTION_DEFAULTS`), e.g.
+            ``basis="svd"``, or for a subclass's extra every-group keys (`ADAM_DEFAULTS`); a
+            group's own value wins.
+    """
+
+    #: Keys filled into projected groups (those with ``rank``) when missing. Subclasses extend it.
+    PROJECTION_DEFAULTS: ClassVar[dict[str, Any]] = {
+        "update_proj_gap": 200,
+        "proj_type": "std",
+        "scale": 1.0,
+        "basis": "randomized_svd",
+        "oversample": proj.DEFAULT_OVERSAMPLE,
+        "power_iters": proj.DEFAULT_POWER_ITERS,
+        "warm_start": True,
+        "seed": 0,
+    }
+    #: Group key holding alpha, the factor on the projected-back update (Fira calls it ``alpha``).
+    SCALE_KEY: ClassVar[str] = "scale"
+    #: Defaults of the Adam keys every group gets (the reference packages' signature).
+    ADAM_DEFAULTS: ClassVar[dict[str, Any]] = {
+        "lr": 1e-3,
+        "betas": (0.9, 0.999),
+        "eps": 1e-6,
+        "weight_decay": 0.0,
+        "correct_bias": True,
+        "adam_convention": "reference",
+    }
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | None = None,
+        betas: tuple[float, float] | None = None,
+        eps: float | None = None,
+        weight_decay: float | None = None,
+        correct_bias: bool | None = None,
+        adam_convention: str | None = None,
+        **options: Any,
+    ) -> None:
+        given = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "correct_bias": correct_bias,
+            "adam_convention": adam_convention,
+        }
+        defaults = {**self.ADAM_DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
+        for k in list(options):
+            if k in self.ADAM_DEFAULTS:  # a subclass's own every-group option (8-bit: min_8bit_size)
+                defaults[k] = options.pop(k)
+        defaults["betas"] = tuple(defaults["betas"])
+        self._check_adam(defaults)
+        unknown = set(options) - set(self.PROJECTION_DEFAULTS)
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__} got unknown option(s) {sorted(unknown)}; "
+                f"projection options are {sorted(self.PROJECTION_DEFAULTS)}"
+            )
+        # Set before super().__init__, which calls add_param_group for every group.
+        self._projection_defaults = {**self.PROJECTION_DEFAULTS, **options}
+        self.refresh_count: int = 0
+        self.refresh_seconds: float = 0.0
+        self.failed_refreshes: int = 0
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ groups
+
+    @staticmethod
+    def _check_adam(g: dict[str, Any]) -> None:
+        if g["lr"] < 0.0:
+            raise ValueError(f"Invalid learning rate: {g['lr']} - should be >= 0.0")
+        b1, b2 = g["betas"]
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ValueError(f"Invalid betas {g['betas']}: each must be in [0.0, 1.0)")
+        if g["eps"] < 0.0:
+            raise ValueError(f"Invalid epsilon value: {g['eps']} - should be >= 0.0")
+        if g["adam_convention"] not in ADAM_CONVENTIONS:
+            raise ValueError(
+                f"adam_convention must be one of {ADAM_CONVENTIONS}, got {g['adam_convention']!r}"
+            )
+
+    @classmethod
+    def _is_projected(cls, group: dict[str, Any]) -> bool:
+        if "project" in group:
+            return bool(group["project"])
+        return group.get("rank") is not None
+
+    @classmethod
+    def _fill_projected(cls, group: dict[str, Any], defaults: dict[str, Any]) -> None:
+        """Fills missing projection keys of `group` in place (subclasses may map aliases first)."""
+        for k, v in defaults.items():
+            group.setdefault(k, v)
+
+    @classmethod
+    def resolve_group(cls, group: dict[str, Any]) -> dict[str, Any]:
+        """A copy of a plain dict group with ``project`` decided and every default filled.
+
+        This is what construction records in each group; `state_bytes` uses it so that it works
+        without building an optimizer.
+        """
+        g = {k: v for k, v in group.items() if k != "params"}
+        for k, v in cls.ADAM_DEFAULTS.items():
+            g.setdefault(k, v)
+        g["project"] = cls._is_projected(g)
+        if g["project"]:
+            cls._fill_projected(g, dict(cls.PROJECTION_DEFAULTS))
+        return g
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's add_param_group, then records eligibility and fills projection defaults."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        group["betas"] = tuple(group["betas"])
+        self._check_adam(group)
+        group["project"] = self._is_projected(group)
+        if not group["project"]:
+            return
+        if group.get("rank") is None:
+            raise ValueError("a group with project=True needs a 'rank'")
+        self._fill_projected(group, self._projection_defaults)
+        self._validate_projected(group)
+
+    def _validate_projected(self, group: dict[str, Any]) -> None:
+        """Checks a projected group's options and that each of its params is a 2-D matrix."""
+        if int(group["rank"]) < 1:
+            raise ValueError(f"rank must be a positive int, got {group['rank']!r}")
+        if int(group["update_proj_gap"]) < 1:
+            raise ValueError(f"update_proj_gap must be a positive int, got {group['update_proj_gap']!r}")
+        if group["proj_type"] not in proj.PROJ_TYPES:
+            raise ValueError(f"proj_type must be one of {proj.PROJ_TYPES}, got {group['proj_type']!r}")
+        if group["basis"] not in proj.METHODS:
+            raise ValueError(f"basis must be one of {proj.METHODS}, got {group['basis']!r}")
+        if group["basis"] == "random" and group["proj_type"] == "full":
+            raise ValueError("basis='random' does not support proj_type='full'")
+        for p in group["params"]:
+            if p.ndim != 2:
+                raise ValueError(
+                    f"{type(self).__name__}: a group with 'rank' holds a parameter of shape {tuple(p.shape)}; "
+                    "only 2-D weight matrices can be projected. Put biases, norms and embeddings in a "
+                    "group without 'rank' (they then get plain AdamW)."
+                )
+
+    # ------------------------------------------------------------------ state
+
+    def _side(self, p: torch.Tensor, group: dict[str, Any]) -> str:
+        return proj.choose_side(tuple(p.shape), group["proj_type"])
+
+    def _param_seed(self, group: dict[str, Any], index: int) -> int:
+        """Seed of the parameter at position `index` (over all groups): mix_seed(group seed, index)."""
+        return proj.mix_seed(int(group["seed"]), index)
+
+    def _init_moments(
+        self, state: dict[str, Any], shape: tuple[int, ...], p: torch.Tensor, group: dict[str, Any]
+    ) -> None:
+        """Allocates ``exp_avg`` / ``exp_avg_sq`` of `shape` (parameter dtype). 8-bit overrides."""
+        state["exp_avg"] = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        state["exp_avg_sq"] = torch.zeros(shape, dtype=p.dtype, device=p.device)
+
+    def _init_extra_state(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+        """Hook for a subclass's own state keys of a projected param (Fira: residual_norm)."""
+
+    def _init_state(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], index: int) -> None:
+        state["step"] = 0
+        if not group["project"]:
+            self._init_moments(state, tuple(p.shape), p, group)
+            return
+        side = self._side(p, group)
+        shape, method = tuple(p.shape), group["basis"]
+        state["refresh"] = 0
+        state["seed"] = self._param_seed(group, index)
+        self._init_moments(state, proj.low_rank_shape(shape, group["rank"], side, method), p, group)
+        if method != "random":
+            # Allocated now (zeros) so a dummy step materialises every key with its final shape.
+            bshape = proj.basis_shape(shape, group["rank"], side, method)
+            state["basis"] = torch.zeros(bshape, dtype=p.dtype, device=p.device)
+        self._init_extra_state(p, group, state)
+
+    # ------------------------------------------------------------------ numerics
+
+    def _refresh_due(self, state: dict[str, Any], group: dict[str, Any]) -> bool:
+        return state["refresh"] == 0 or state["step"] % int(group["update_proj_gap"]) == 0
+
+    def _current_basis(
+        self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
+    ) -> torch.Tensor | None:
+        """The basis P for this step (parameter dtype), refreshing it first when due.
+
+        Returns None only when no basis exists yet and computing the first one failed; the caller
+        then skips the parameter without advancing its counter, so the next step retries.
+        """
+        side, method = self._side(p, group), group["basis"]
+        due = self._refresh_due(state, group)
+        if method == "random":
+            if due:
+                state["refresh"] += 1
+                self.refresh_count += 1
+            basis = proj.random_basis(
+                tuple(p.shape),
+                group["rank"],
+                side,
+                seed=state["seed"],
+                refresh=state["refresh"],
+                device=p.device,
+            )
+            return basis.to(p.dtype)
+        if not due:
+            return state["basis"]
+        prev = state["basis"] if state["refresh"] > 0 else None
+        stats = proj.RefreshStats()
+        new = proj.compute_basis(
+            grad,
+            group["rank"],
+            side,
+            method,
+            prev,
+            seed=state["seed"],
+            refresh=state["refresh"] + 1,
+            oversample=group["oversample"],
+            power_iters=group["power_iters"],
+            warm_start=group["warm_start"],
+            stats=stats,
+        )
+        self.refresh_seconds += stats.seconds
+        self.failed_refreshes += stats.failed
+        if stats.failed:
+            return prev
+        state["basis"].copy_(new)
+        state["refresh"] += 1
+        self.refresh_count += 1
+        return state["basis"]
+
+    def _adam(
+        self, x: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
+    ) -> tuple[torch.Tensor, float]:
+        """Advances t and the moments (``exp_avg``, ``exp_avg_sq``) with x = R or G; see `_adam_math`."""
+        state["step"] += 1
+        return self._adam_math(state["exp_avg"], state["exp_avg_sq"], x, state["step"], group)
+
+    @staticmethod
+    def _adam_math(
+        m: torch.Tensor, v: torch.Tensor, x: torch.Tensor, t: int, group: dict[str, Any]
+    ) -> tuple[torch.Tensor, float]:
+        """Updates M, V in place with x at step t; returns (N, eta_t) per the group's convention.
+
+        M <- beta1 M + (1 - beta1) x;  V <- beta2 V + (1 - beta2) x^2;  then
+        reference: N = M / (sqrt(V) + eps), eta_t = eta sqrt(1 - beta2^t) / (1 - beta1^t);
+        torch:     N = M / (sqrt(V / (1 - beta2^t)) + eps), eta_t = eta / (1 - beta1^t).
+        (Without bias correction both factors are 1.)
+        """
+        beta1, beta2 = group["betas"]
+        m.mul_(beta1).add_(x, alpha=1.0 - beta1)
+        v.mul_(beta2).addcmul_(x, x, value=1.0 - beta2)
+        bc1 = 1.0 - beta1**t if group["correct_bias"] else 1.0
+        bc2 = 1.0 - beta2**t if group["correct_bias"] else 1.0
+        if group["adam_convention"] == "torch":
+            denom = (v.sqrt() / math.sqrt(bc2)).add_(group["eps"])
+            return m / denom, group["lr"] / bc1
+        denom = v.sqrt().add_(group["eps"])
+        return m / denom, group["lr"] * math.sqrt(bc2) / bc1
+
+    def _apply_update(
+        self,
+        p: torch.Tensor,
+        update: torch.Tensor,
+        step_size: float,
+        group: dict[str, Any],
+        alpha: float = 1.0,
+    ) -> None:
+        """W <- W - eta_t alpha D plus decoupled weight decay (before for torch, after for reference)."""
+        lr, wd = group["lr"], group["weight_decay"]
+        torch_style = group["adam_convention"] == "torch"
+        if torch_style and wd != 0.0:
+            p.mul_(1.0 - lr * wd)
+        p.add_(update, alpha=-step_size * alpha)
+        if not torch_style and wd > 0.0:
+            p.add_(p, alpha=-lr * wd)
+
+    def _dense_step(
+        self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
+    ) -> None:
+        """Plain AdamW for a non-projected parameter."""
+        norm, step_size = self._adam(grad, state, group)
+        self._apply_update(p, norm, step_size, group)
+
+    def _projected_update(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        low: torch.Tensor,
+        norm: torch.Tensor,
+        basis: torch.Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+    ) -> tuple[torch.Tensor, float]:
+        """Subclass hook: the full-size direction D and a factor alpha, with W <- W - eta_t alpha D.
+
+        Args:
+            p: the weight W (m x n).
+            grad: G.
+            low: R = proj(G).
+            norm: N, the Adam-normalised R (see `_adam`).
+            basis: P (parameter dtype).
+            state: the parameter's state.
+            group: its group.
+        """
+        raise NotImplementedError
+
+    def _projected_step(
+        self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
+    ) -> None:
+        basis = self._current_basis(p, grad, state, group)
+        if basis is None:
+            return
+        side = self._side(p, group)
+        low = proj.project(grad, basis, side)
+        norm, step_size = self._adam(low, state, group)
+        update, alpha = self._projected_update(p, grad, low, norm, basis, state, group)
+        self._apply_update(p, update, step_size, group, alpha)
+
+    def _back(
+        self, norm: torch.Tensor, basis: torch.Tensor, p: torch.Tensor, group: dict[str, Any]
+    ) -> torch.Tensor:
+        """back(N) for this parameter's side (no scale)."""
+        return proj.project_back(norm, basis, self._side(p, group), m=p.shape[0])
+
+    # ------------------------------------------------------------------ step
+
+    @staticmethod
+    def _nonzero_flags(grads: list[torch.Tensor]) -> list[bool]:
+        """[any(G != 0) for G in grads] with one host synchronisation per device (NaN counts as nonzero)."""
+        flags: list[bool] = [True] * len(grads)
+        by_device: dict[torch.device, list[int]] = {}
+        for i, g in enumerate(grads):
+            by_device.setdefault(g.device, []).append(i)
+        for idx in by_device.values():
+            norms = torch._foreach_norm([grads[i] for i in idx], ord=float("inf"))
+            nonzero = torch.stack([n.float() for n in norms]).ne(0).tolist()
+            for i, nz in zip(idx, nonzero):
+                flags[i] = bool(nz)
+        return flags
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimisation step over all parameters that have a gradient.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (run with grad enabled).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        entries: list[tuple[dict[str, Any], torch.Tensor, int]] = []
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    if p.grad.is_sparse:
+                        raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                    entries.append((group, p, index))
+                index += 1
+        if not entries:
+            return loss
+        live = self._nonzero_flags([p.grad for _, p, _ in entries])
+        for (group, p, idx), nonzero in zip(entries, live):
+            state = self.state[p]
+            if not state:
+                self._init_state(p, group, state, idx)
+            if not nonzero:
+                continue
+            if group["project"]:
+                self._projected_step(p, p.grad, state, group)
+            else:
+                self._dense_step(p, p.grad, state, group)
+        return loss
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load_state_dict, keeping each saved tensor's own dtype.
+
+        torch casts every floating-point state tensor to its parameter's dtype on load; our state
+        may hold other dtypes on purpose (8-bit moments, their fp32 scales), so those are put back
+        exactly as saved (moved to the parameter's device).
+        """
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        keep: list[tuple[torch.Tensor, str, torch.Tensor]] = []
+        for pid, p in zip(saved_ids, params):
+            for k, v in state_dict["state"].get(pid, {}).items():
+                if torch.is_tensor(v) and k != "step" and v.dtype != p.dtype:
+                    keep.append((p, k, v))
+        super().load_state_dict(state_dict)
+        for p, k, v in keep:
+            self.state[p][k] = v.to(device=p.device)
+
+    # ------------------------------------------------------------------ memory
+
+    @classmethod
+    def _moment_bytes(cls, numel: int, dtype: torch.dtype, group: dict[str, Any]) -> int:
+        """Bytes of exp_avg + exp_avg_sq holding `numel` entries each: 2 numel s (s = itemsize)."""
+        return 2 * numel * _itemsize(dtype)
+
+    @classmethod
+    def _extra_state_bytes(cls, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+        """Bytes of a subclass's own state keys for a projected param (0 here)."""
+        return 0
+
+    @classmethod
+    def state_bytes(cls, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+        """Exact bytes of tensor state for one parameter after >= 1 step (python ints cost 0).
+
+        With s the itemsize of `dtype`, k = min(r, m, n) (k = r for the random method) and the
+        side from `proj_type` (std: right if m >= n else left):
+
+        * not projected (no ``rank``): 2 s prod(shape)                       (M, V)
+        * right side:  2 s m k + s k n     (M, V are m x k; P is k x n)
+        * left side:   2 s k n + s m k     (M, V are k x n; P is m x k)
+        * full:        2 s k^2 + s k (m + n)
+        * basis "random": the P term is 0 (regenerated, never stored).
+
+        Subclasses add their own terms (see their docstrings).
+
+        Args:
+            shape: the parameter's shape.
+            group: a param group (a plain dict is fine; missing keys take the defaults).
+            dtype: the parameter's dtype.
+        """
+        g = cls.resolve_group(group)
+        numel = math.prod(shape)
+        if not g["project"]:
+            return cls._moment_bytes(numel, dtype, g)
+        side = proj.choose_side(tuple(shape), g["proj_type"])
+        low = proj.low_rank_shape(tuple(shape), int(g["rank"]), side, g["basis"])
+        total = cls._moment_bytes(math.prod(low), dtype, g)
+        if g["basis"] != "random":
+            total += math.prod(proj.basis_shape(tuple(shape), int(g["rank"]), side, g["basis"])) * _itemsize(
+                dtype
+            )
+        return total + cls._extra_state_bytes(tuple(shape), g, dtype)
+
+
+__all__ = ["ADAM_CONVENTIONS", "ProjectedAdam"]

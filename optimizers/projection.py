@@ -1,0 +1,518 @@
+"""Bases for gradient low-rank projection (GaLore, Fira, APOLLO): pure functions, torch only.
+
+Notation (PAPER.md 2.3): a weight W and its gradient G are m x n (out x in); r is the rank.
+
+* Right projection (used when m >= n): the basis P is r x n with orthonormal rows,
+  R = G P^T is m x r and the way back is back(N) = N P.
+* Left projection (used when m < n): the basis P is m x r with orthonormal columns,
+  R = P^T G is r x n and back(N) = P N.
+* Full (two-sided) projection: P_L is m x r, P_R is r x n, R = P_L^T G P_R^T is r x r and
+  back(N) = P_L N P_R. Both factors live in ONE tensor so that optimizer state stays a single
+  tensor per parameter: the packed basis is [P_L^T | P_R], shape r x (m + n).
+
+So the basis always has shape `basis_shape(...)` and the projected gradient `low_rank_shape(...)`;
+`project` / `project_back` apply them. Bases are computed in fp32 and returned in fp32; callers
+store them in whatever dtype they like (the optimizers store the parameter dtype, like galore-torch).
+
+Methods (`method` argument, the optimizers' ``basis`` group key):
+
+* ``"svd"``: thin SVD of G (``torch.linalg.svd(full_matrices=False)``), top-r singular vectors;
+  numerically the same basis galore-torch and fira compute.
+* ``"randomized_svd"``: Halko, Martinsson and Tropp (2011), Alg. 4.4: a Gaussian sketch with
+  k = r + p columns (p = `oversample`), `power_iters` rounds of subspace iteration with QR
+  re-orthonormalisation, then an exact SVD of the small k x (n or m) matrix. With `prev` (the
+  previous basis) the sketch starts from it (warm start) and only the p extra columns are random.
+  The Gaussian draws come from a ``torch.Generator`` seeded by ``mix_seed(seed, refresh)``, so a
+  basis is reproducible from (G, seed, refresh, prev).
+* ``"random"``: APOLLO's projection (PAPER.md 2.5): i.i.d. N(0, 1/r) entries drawn from a
+  generator seeded by ``mix_seed(seed, refresh)``. It is a Johnson-Lindenstrauss map
+  (E[P^T P] = I for the right side), NOT orthonormal, and never needs storing: it is regenerated
+  from (seed, refresh) on the gradient's device (CPU and CUDA generators give different streams).
+* ``"identity"``: the first r coordinate axes; with r = min(m, n) projection is the identity, which
+  is how the tests check that an optimizer reduces to plain AdamW.
+
+Failure policy (`compute_basis`): if G holds inf/nan, or the decomposition raises or returns a
+non-finite basis, the previous basis `prev` is returned unchanged (None when there is none), the
+failure is counted (``stats.failed`` and the module counter `failed_refreshes()`), and a warning is
+issued once per process.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+PROJ_TYPES: tuple[str, ...] = ("std", "reverse_std", "right", "left", "full")
+"""galore-torch's ``proj_type`` values. std: right if m >= n else left; reverse_std: the opposite;
+right / left: always that side; full: both sides (r x r core)."""
+
+METHODS: tuple[str, ...] = ("randomized_svd", "svd", "random", "identity")
+"""Ways to compute a basis (the optimizers' ``basis`` group key)."""
+
+DEFAULT_OVERSAMPLE: int = 8
+"""Default p: extra sketch columns of randomized_svd (k = r + p). See benchmarks/optimizer_step.py."""
+
+DEFAULT_POWER_ITERS: int = 1
+"""Default q: subspace-iteration rounds of randomized_svd. See benchmarks/optimizer_step.py."""
+
+_MASK64 = (1 << 64) - 1
+_failed_total = 0
+_warned = False
+
+
+@dataclass
+class RefreshStats:
+    """Counters `compute_basis` updates when given one (the optimizers keep one each).
+
+    Attributes:
+        count: successful basis computations.
+        seconds: cumulative wall time inside `compute_basis` (host time; on an accelerator the
+            linear-algebra calls synchronise, so it is close to device time).
+        failed: refreshes that kept the previous basis (non-finite gradient or a raised error).
+    """
+
+    count: int = 0
+    seconds: float = 0.0
+    failed: int = 0
+
+
+def failed_refreshes() -> int:
+    """Process-wide number of failed basis computations (all callers)."""
+    return _failed_total
+
+
+def reset_failure_warning() -> None:
+    """Re-arms the warn-once flag (tests use it; training code never needs to)."""
+    global _warned
+    _warned = False
+
+
+def mix_seed(seed: int, counter: int) -> int:
+    """Derives a 63-bit generator seed from (seed, counter) with the splitmix64 finaliser.
+
+    Nearby inputs (refresh 1, 2, 3...) give unrelated seeds, so successive random bases and
+    sketches are independent while staying reproducible from two integers.
+
+    Args:
+        seed: base seed (a parameter's seed).
+        counter: the refresh count k (or a parameter index when deriving per-parameter seeds).
+
+    Returns:
+        An int in [0, 2^63) accepted by ``torch.Generator.manual_seed``.
+    """
+    x = (int(seed) * 0x9E3779B97F4A7C15 + int(counter) + 0x632BE59BD9B4E019) & _MASK64
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _MASK64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _MASK64
+    x ^= x >> 31
+    return x & ((1 << 63) - 1)
+
+
+def choose_side(shape: tuple[int, ...], proj_type: str = "std") -> str:
+    """Which side galore-torch projects a gradient of `shape` on, for its `proj_type`.
+
+    Args:
+        shape: (m, n) of the weight / gradient.
+        proj_type: one of `PROJ_TYPES`.
+
+    Returns:
+        "right" (R = G P^T), "left" (R = P^T G) or "full" (R = P_L^T G P_R^T).
+    """
+    if len(shape) != 2:
+        raise ValueError(f"projection needs a 2-D matrix, got shape {tuple(shape)}")
+    m, n = shape
+    if proj_type == "std":
+        return "right" if m >= n else "left"
+    if proj_type == "reverse_std":
+        return "left" if m >= n else "right"
+    if proj_type in ("right", "left", "full"):
+        return proj_type
+    raise ValueError(f"unknown proj_type {proj_type!r}; choose one of {', '.join(PROJ_TYPES)}")
+
+
+def effective_rank(shape: tuple[int, ...], rank: int, method: str = "svd") -> int:
+    """The rank r actually used: min(rank, m, n) for decompositions, `rank` for random maps.
+
+    A thin SVD has only min(m, n) singular vectors, so asking for more truncates (as galore-torch
+    does by slicing); a random JL map has no such limit.
+    """
+    if rank < 1:
+        raise ValueError(f"rank must be >= 1, got {rank}")
+    if method == "random":
+        return int(rank)
+    return int(min(rank, shape[0], shape[1]))
+
+
+def basis_shape(shape: tuple[int, ...], rank: int, side: str, method: str = "svd") -> tuple[int, int]:
+    """Shape of the basis tensor: (r, n) right, (m, r) left, (r, m + n) full (packed)."""
+    m, n = shape
+    r = effective_rank(shape, rank, method)
+    if side == "right":
+        return (r, n)
+    if side == "left":
+        return (m, r)
+    if side == "full":
+        return (r, m + n)
+    raise ValueError(f"side must be 'left', 'right' or 'full', got {side!r}")
+
+
+def low_rank_shape(shape: tuple[int, ...], rank: int, side: str, method: str = "svd") -> tuple[int, int]:
+    """Shape of R (and of the low-rank Adam moments): (m, r) right, (r, n) left, (r, r) full."""
+    m, n = shape
+    r = effective_rank(shape, rank, method)
+    return {"right": (m, r), "left": (r, n), "full": (r, r)}[side]
+
+
+def project(grad: torch.Tensor, basis: torch.Tensor, side: str) -> torch.Tensor:
+    """R = G P^T (right), P^T G (left) or P_L^T G P_R^T (full, packed basis).
+
+    Args:
+        grad: G, m x n.
+        basis: P in the layout of `basis_shape`; same dtype as `grad`.
+        side: "right", "left" or "full".
+    """
+    if side == "right":
+        return grad @ basis.t()
+    if side == "left":
+        return basis.t() @ grad
+    m = grad.shape[0]
+    return (basis[:, :m] @ grad) @ basis[:, m:].t()
+
+
+def project_back(low: torch.Tensor, basis: torch.Tensor, side: str, m: int | None = None) -> torch.Tensor:
+    """back(N) = N P (right), P N (left) or P_L N P_R (full): the map from R's space to G's.
+
+    Args:
+        low: N, shaped like R.
+        basis: P in the layout of `basis_shape`.
+        side: "right", "left" or "full".
+        m: rows of the weight; needed for "full" only, to split the packed [P_L^T | P_R].
+    """
+    if side == "right":
+        return low @ basis
+    if side == "left":
+        return basis @ low
+    if m is None:
+        raise ValueError("project_back(side='full') needs m, the weight's row count")
+    return (basis[:, :m].t() @ low) @ basis[:, m:]
+
+
+def svd_basis(g32: torch.Tensor, rank: int, side: str) -> torch.Tensor:
+    """Exact top-r singular vectors of fp32 G via a thin SVD (what galore-torch computes).
+
+    Returns:
+        P in the layout of `basis_shape` (fp32).
+    """
+    u, _, vh = torch.linalg.svd(g32, full_matrices=False)
+    r = effective_rank(tuple(g32.shape), rank)
+    if side == "right":
+        return vh[:r].contiguous()
+    if side == "left":
+        return u[:, :r].contiguous()
+    return torch.cat([u[:, :r].t(), vh[:r]], dim=1).contiguous()
+
+
+def _finite(x: torch.Tensor) -> bool:
+    # A sum is non-finite iff some entry is (barring overflow): one reduction, no boolean mask.
+    return bool(torch.isfinite(x.sum()))
+
+
+def _times_inverse_upper(y: torch.Tensor, upper: torch.Tensor) -> torch.Tensor:
+    """Y U^{-1} for a small upper-triangular U: invert U in fp64, then one matrix product.
+
+    A product is far faster on CPU than a triangular solve against a tall row-major Y (which
+    LAPACK first transposes); the inverse only has to be accurate enough to condition Y.
+    """
+    eye = torch.eye(upper.shape[0], dtype=torch.float64, device=upper.device)
+    inv = torch.linalg.solve_triangular(upper.double(), eye, upper=True)
+    return y @ inv.to(y.dtype)
+
+
+def _lu_normalize(y: torch.Tensor) -> torch.Tensor:
+    """Y U^{-1} from Y = P L U: same span as Y, well-conditioned columns (= P L, |L_ij| <= 1).
+
+    The cheap normaliser between power steps (as scikit-learn's): a pivoted LU of a tall
+    matrix is several times faster than a Householder QR on CPU. Not finite when Y is rank
+    deficient (a zero pivot); callers then fall back to QR.
+    """
+    lu, _ = torch.linalg.lu_factor(y)
+    k = y.shape[1]
+    return _times_inverse_upper(y, lu[:k, :k].triu())
+
+
+def _cholesky_qr2(y: torch.Tensor) -> torch.Tensor | None:
+    """Orthonormal Q with span(Q) = span(Y) by CholeskyQR2 (Gram in Y's dtype, Cholesky in fp64).
+
+    Two rounds of Q = Y R^{-1}, R^T R = Y^T Y: matrix products instead of a Householder QR, and
+    orthonormal to working precision once cond(Y) is moderate (true after `_lu_normalize`).
+    Returns None when a Cholesky factorisation breaks down.
+    """
+    for _ in range(2):
+        chol, info = torch.linalg.cholesky_ex((y.t() @ y).double())
+        if int(info) != 0:
+            return None
+        y = _times_inverse_upper(y, chol.t())
+    return y
+
+
+def _orthonormal(y: torch.Tensor) -> torch.Tensor:
+    """Orthonormal basis of span(Y): LU normalisation + CholeskyQR2, Householder QR as fallback."""
+    z = _lu_normalize(y)
+    q = _cholesky_qr2(z) if _finite(z) else None
+    if q is None or not _finite(q):
+        q = torch.linalg.qr(y, mode="reduced")[0]
+    return q
+
+
+def _span_normalize(y: torch.Tensor) -> torch.Tensor:
+    """`_lu_normalize`, or a QR when that is not finite (rank-deficient Y)."""
+    z = _lu_normalize(y)
+    return z if _finite(z) else torch.linalg.qr(y, mode="reduced")[0]
+
+
+def _randomized_left_vectors(
+    a: torch.Tensor,
+    r: int,
+    oversample: int,
+    power_iters: int,
+    generator: torch.Generator,
+    init: torch.Tensor | None,
+) -> torch.Tensor:
+    """Top-r left singular vectors of `a` (rows x cols) by randomized subspace iteration.
+
+    Halko et al. Alg. 4.3/4.4: Y = A Omega (Omega cols x k Gaussian, k = r + p); q times
+    Y = A A^T norm(Y); Q = orth(Y). Then with B = Q^T A, the top-r eigenvectors U_B of the
+    k x k Gram B B^T (fp64 eigh) give U = Q U_B[:, :r]. Only products with A, k x k
+    factorisations and skinny triangular solves are used: on CPU a Householder QR or an SVD of
+    a (rows x k) matrix costs many times a product with A. With `init` (rows x r0,
+    orthonormal) the first block is A (A^T init) instead of A Omega: a power step started
+    from the previous subspace, which already holds most of the new one when gradients drift.
+    """
+    rows, cols = a.shape
+    k = min(r + max(int(oversample), 0), rows, cols)
+    blocks = []
+    if init is not None:
+        init = init[:, :k]
+        blocks.append(a @ (a.t() @ init))
+    extra = k - (init.shape[1] if init is not None else 0)
+    if extra > 0:
+        omega = torch.randn(cols, extra, generator=generator, device=a.device, dtype=a.dtype)
+        blocks.append(a @ omega)
+    y = torch.cat(blocks, dim=1) if len(blocks) > 1 else blocks[0]
+    for _ in range(int(power_iters)):
+        # One normalisation per round suffices: a single product with A^T A grows cond(Y) by
+        # (sigma_1 / sigma_k)^2 at most, which the LU inside `_orthonormal` absorbs.
+        y = a @ (a.t() @ _span_normalize(y))
+    q = _orthonormal(y)
+    bt = a.t() @ q  # B^T, cols x k
+    evals, evecs = torch.linalg.eigh((bt.t() @ bt).double())
+    top = evecs[:, torch.argsort(evals, descending=True)[:r]]
+    return q @ top.to(q.dtype)
+
+
+def randomized_svd_basis(
+    g32: torch.Tensor,
+    rank: int,
+    side: str,
+    *,
+    oversample: int = DEFAULT_OVERSAMPLE,
+    power_iters: int = DEFAULT_POWER_ITERS,
+    generator: torch.Generator | None = None,
+    prev: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Approximate top-r singular vectors of fp32 G (Halko randomized SVD), layout of `basis_shape`.
+
+    Args:
+        g32: G (m x n), fp32.
+        rank: r.
+        side: "right" (returns V_r^T, r x n), "left" (U_r, m x r) or "full" (packed).
+        oversample: p, extra sketch columns; k = r + p.
+        power_iters: q, subspace-iteration rounds (each costs two products with G and two LUs).
+        generator: source of the Gaussian sketch (a fresh default-seeded one when None).
+        prev: previous basis in the same layout (any dtype) for a warm start, or None.
+
+    Cost: (2q + 2) products of G with a k-column block (2 m n k flops each; one more with a warm
+    start) plus O((m + n) k^2) for LUs, CholeskyQR2 and the Gram, and O(k^3) for a k x k eigh:
+    against O(m n min(m, n)) with a large constant for the exact SVD.
+    """
+    if generator is None:
+        generator = torch.Generator(device=g32.device).manual_seed(0)
+    m, n = g32.shape
+    r = effective_rank((m, n), rank)
+    p32 = None if prev is None else prev.to(device=g32.device, dtype=torch.float32)
+    if side == "right":
+        init = None if p32 is None else p32.t()
+        v = _randomized_left_vectors(g32.t(), r, oversample, power_iters, generator, init)
+        return v.t().contiguous()
+    if side == "left":
+        return _randomized_left_vectors(g32, r, oversample, power_iters, generator, p32).contiguous()
+    if side == "full":
+        init_l = None if p32 is None else p32[:, :m].t()
+        init_r = None if p32 is None else p32[:, m:].t()
+        u = _randomized_left_vectors(g32, r, oversample, power_iters, generator, init_l)
+        v = _randomized_left_vectors(g32.t(), r, oversample, power_iters, generator, init_r)
+        return torch.cat([u.t(), v.t()], dim=1).contiguous()
+    raise ValueError(f"side must be 'left', 'right' or 'full', got {side!r}")
+
+
+def random_basis(
+    shape: tuple[int, ...],
+    rank: int,
+    side: str,
+    *,
+    seed: int,
+    refresh: int,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """APOLLO's Gaussian projection, entries N(0, 1/r), regenerated from (seed, refresh).
+
+    Args:
+        shape: (m, n) of the gradient.
+        rank: r (not clamped: a JL map may have any width).
+        side: "right" (r x n) or "left" (m x r); "full" is not defined for random maps.
+        seed: the parameter's seed.
+        refresh: k, the refresh count; basis k is drawn from ``mix_seed(seed, k)``.
+        device: where to draw (the stream depends on the device type).
+        dtype: dtype of the draw (fp32 by default, then cast by the caller).
+    """
+    if side == "full":
+        raise ValueError(
+            "random projection supports side 'left' or 'right' only (proj_type 'full' is not defined)"
+        )
+    gen = torch.Generator(device=device).manual_seed(mix_seed(seed, refresh))
+    bshape = basis_shape(shape, rank, side, "random")
+    return torch.randn(bshape, generator=gen, device=device, dtype=dtype) / math.sqrt(rank)
+
+
+def identity_basis(
+    shape: tuple[int, ...], rank: int, side: str, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """The first r coordinate axes in the layout of `basis_shape` (identity when r = min(m, n))."""
+    m, n = shape
+    r = effective_rank(shape, rank)
+    if side == "right":
+        return torch.eye(r, n, device=device)
+    if side == "left":
+        return torch.eye(m, r, device=device)
+    return torch.cat([torch.eye(r, m, device=device), torch.eye(r, n, device=device)], dim=1)
+
+
+def _fail(prev: torch.Tensor | None, stats: RefreshStats | None, why: str) -> torch.Tensor | None:
+    global _failed_total, _warned
+    _failed_total += 1
+    if stats is not None:
+        stats.failed += 1
+    if not _warned:
+        _warned = True
+        warnings.warn(
+            f"projection basis refresh failed ({why}); keeping the previous basis. "
+            "Further failures are counted (optimizer.failed_refreshes) but not warned again.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return prev
+
+
+def compute_basis(
+    grad: torch.Tensor,
+    rank: int,
+    side: str,
+    method: str = "randomized_svd",
+    prev: torch.Tensor | None = None,
+    *,
+    seed: int = 0,
+    refresh: int = 0,
+    oversample: int = DEFAULT_OVERSAMPLE,
+    power_iters: int = DEFAULT_POWER_ITERS,
+    warm_start: bool = True,
+    stats: RefreshStats | None = None,
+) -> torch.Tensor | None:
+    """The one entry point: a rank-r basis for gradient G, computed in fp32, returned in fp32.
+
+    Args:
+        grad: G, m x n, any float dtype (converted to fp32 for the decomposition).
+        rank: r.
+        side: "right" | "left" | "full" (see `choose_side`).
+        method: one of `METHODS`.
+        prev: the basis in use (layout of `basis_shape`), returned as-is on failure and used as the
+            warm-start sketch of randomized_svd when `warm_start`.
+        seed: the parameter's seed (random and randomized_svd draw from ``mix_seed(seed, refresh)``).
+        refresh: k, index of the basis being computed.
+        oversample: p of randomized_svd.
+        power_iters: q of randomized_svd.
+        warm_start: start randomized_svd from `prev` when given.
+        stats: counters to update (count, seconds, failed), or None.
+
+    Returns:
+        The new basis (fp32, contiguous); or `prev` (the same object, possibly None) when G is not
+        finite or the decomposition fails. The random method never reads G's values, so it never fails.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown basis method {method!r}; choose one of {', '.join(METHODS)}")
+    if grad.ndim != 2:
+        raise ValueError(f"projection needs a 2-D gradient, got shape {tuple(grad.shape)}")
+    t0 = time.perf_counter()
+    shape = tuple(grad.shape)
+    try:
+        if method == "random":
+            out = random_basis(shape, rank, side, seed=seed, refresh=refresh, device=grad.device)
+        elif method == "identity":
+            out = identity_basis(shape, rank, side, device=grad.device)
+        else:
+            g32 = grad.detach().float()
+            # One reduction instead of an m x n boolean mask: any inf/nan makes the sum non-finite
+            # (a finite gradient whose sum overflows fp32 would need entries near 1e34).
+            if not bool(torch.isfinite(g32.sum())):
+                return _fail(prev, stats, "non-finite gradient")
+            if method == "svd":
+                out = svd_basis(g32, rank, side)
+            else:
+                gen = torch.Generator(device=g32.device).manual_seed(mix_seed(seed, refresh))
+                out = randomized_svd_basis(
+                    g32,
+                    rank,
+                    side,
+                    oversample=oversample,
+                    power_iters=power_iters,
+                    generator=gen,
+                    prev=prev if warm_start else None,
+                )
+            if not bool(torch.isfinite(out).all()):
+                return _fail(prev, stats, "decomposition returned non-finite values")
+    except RuntimeError as err:  # torch.linalg.LinAlgError is a RuntimeError
+        return _fail(prev, stats, f"{type(err).__name__}: {err}")
+    finally:
+        if stats is not None:
+            stats.seconds += time.perf_counter() - t0
+    if stats is not None:
+        stats.count += 1
+    return out
+
+
+__all__ = [
+    "DEFAULT_OVERSAMPLE",
+    "DEFAULT_POWER_ITERS",
+    "METHODS",
+    "PROJ_TYPES",
+    "RefreshStats",
+    "basis_shape",
+    "choose_side",
+    "compute_basis",
+    "effective_rank",
+    "failed_refreshes",
+    "identity_basis",
+    "low_rank_shape",
+    "mix_seed",
+    "project",
+    "project_back",
+    "random_basis",
+    "randomized_svd_basis",
+    "reset_failure_warning",
+    "svd_basis",
+]

@@ -1,0 +1,456 @@
+"""Stable-SPAM and SPAM: Adam with spike-aware gradient clipping and periodic momentum reset.
+
+SPAM (Huang et al. 2025, arXiv 2501.06842) clips gradient entries that spike far above Adam's
+second moment, zeroes the moments every ΔT steps and re-warms the step size after each reset.
+Stable-SPAM (Huang et al. 2025, arXiv 2502.17055) replaces the fixed spike threshold by adaptive
+per-tensor statistics (an EMA of max|G| for element-wise clipping, EMAs of ||G|| and ||G||^2 for
+norm scaling), keeps the periodic reset and anneals beta1 over the run. PAPER.md section 2.2.
+
+Both keep all state per parameter (so DDP, Accelerate and the HF Trainer need nothing special)
+and hold only tensors and python ints. Under FSDP2 the per-tensor statistics of Stable-SPAM are
+taken over the local shard, which is an approximation of the unsharded rule.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from itertools import chain
+from typing import Any
+
+import torch
+
+__all__ = ["SPAM", "StableSPAM"]
+
+
+def _adamw_update_(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    lr_mult: float = 1.0,
+) -> None:
+    """One decoupled-weight-decay Adam step, in the exact operation order of torch.optim.AdamW.
+
+    The order (decay first, lerp for m, eps added after the bias-corrected sqrt) is mirrored
+    op for op so that, with every extra feature switched off, the result is bitwise that of
+    torch.optim.AdamW(foreach=False). `lr_mult` scales the Adam step only, not the decay.
+    """
+    if weight_decay != 0:
+        p.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    step_size = lr / bias_correction1
+    if lr_mult != 1.0:
+        step_size = step_size * lr_mult
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    p.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def _cosine(progress: float) -> float:
+    """Half-cosine from 1 (progress 0) to 0 (progress >= 1)."""
+    return 0.5 * (1.0 + math.cos(math.pi * min(max(progress, 0.0), 1.0)))
+
+
+class StableSPAM(torch.optim.Optimizer):
+    r"""Stable-SPAM: AdamW with adaptive clipping, adaptive norm scaling and momentum reset.
+
+    For each parameter tensor with gradient G at global step t (1-based, counted per tensor):
+
+    1. Adaptive element-wise clipping (AdaClip), theta = `theta`::
+
+           T_t  = theta T_{t-1} + (1 - theta) max|G|,     T^_t = T_t / (1 - theta^t)
+           G_ij <- G_ij * T^_t / max|G|   where |G_ij| > T^_t        (clip_rule="rescale")
+           G_ij <- sign(G_ij) T^_t        where |G_ij| > T^_t        (clip_rule="clamp")
+
+       "rescale" is what the official Stable-SPAM code does (the largest entry lands exactly on
+       T^_t, the others above it are scaled by the same factor); "clamp" is the literal reading
+       of "entries above it are scaled down to it" (PAPER.md 2.2, unconfirmed which the
+       benchmark means), kept as a knob.
+    2. Adaptive gradient-norm scaling (AdaGN), gamma1 annealed by the cosine factor s_t below::
+
+           m_t = (gamma1 s_t) m_{t-1} + (1 - gamma1 s_t) ||G||,   v_t = gamma2 v_{t-1} + (1 - gamma2) ||G||^2
+           G  <- G / ||G|| * m^_t / (sqrt(v^_t) + eps)            (^ = bias-corrected)
+    3. Momentum reset (MoRet): every `reset_interval` (Delta T) global steps, Adam's exp_avg,
+       exp_avg_sq and step counter restart from zero before the update, so the step that hits
+       the boundary is step 1 of the fresh moments. (The official code resets a copy and still
+       updates with the old moments on that step; we implement the stated rule.)
+    4. AdamW with beta1 annealed: beta1_t = beta1 s_t, s_t = anneal_min + (1 - anneal_min) *
+       (1 + cos(pi min(t, T) / T)) / 2 with T = `total_steps`, so s goes 1 -> anneal_min (0.5).
+       Bias correction uses the current beta1_t, as the official code does. The update is
+       torch.optim.AdamW's: p <- p (1 - lr lambda) - lr / (1 - beta1_t^k) m / (sqrt(v / (1 - beta2^k)) + eps).
+
+    The clipping and norm EMAs are never reset. By default their bias correction uses the
+    global step t, which matches them; `reset_stats_correction=True` uses the Adam step k that
+    the reset restarts instead, as the official code does (unconfirmed which the benchmark ran;
+    with it, clipping is effectively off for a while after each reset).
+
+    With adaptive_clip=False, norm_scaling=False, reset_interval=0 and total_steps=None the
+    optimizer is exactly torch.optim.AdamW (same lr, betas, eps, weight_decay).
+
+    Args:
+        params: Parameters or param groups (torch format). Every option below may be set per group.
+        lr: Learning rate eta.
+        betas: (beta1, beta2) of Adam; beta1 is the start value of the annealed beta1_t.
+        eps: epsilon of Adam and of the norm scaling denominator.
+        weight_decay: Decoupled weight decay lambda.
+        gamma1: gamma1, EMA coefficient of ||G|| (annealed by s_t). Paper default 0.85.
+        gamma2: gamma2, EMA coefficient of ||G||^2. Paper default 0.999.
+        theta: theta, EMA coefficient of max|G| for the clipping threshold. Paper default 0.999.
+        total_steps: T, the run length for the cosine annealing of beta1 and gamma1. None turns
+            annealing off (s_t = 1); pass the number of optimizer steps of the run.
+        anneal_min: Final value of the annealing factor s_t (paper: 0.5).
+        reset_interval: Delta T, steps between momentum resets (paper 500); 0 never resets.
+        adaptive_clip: Switches step 1 (AdaClip) on or off.
+        clip_rule: "rescale" (official code, default) or "clamp"; see step 1.
+        norm_scaling: Switches step 2 (AdaGN) on or off.
+        reset_stats_correction: See above; False (default) bias-corrects the EMAs with t.
+
+    State per parameter: ``step`` (int, Adam step k, restarted by resets), ``global_step``
+    (int, t), ``exp_avg`` and ``exp_avg_sq`` (param shape and dtype), and the fp32 scalars
+    ``exp_avg_max`` (T_t), ``exp_avg_norm`` (m_t) and ``exp_avg_norm_sq`` (v_t).
+    """
+
+    # Scalar EMAs kept in fp32 whatever the param dtype (bf16 cannot even represent 0.999).
+    _FP32_KEYS = ("exp_avg_max", "exp_avg_norm", "exp_avg_norm_sq")
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        gamma1: float = 0.85,
+        gamma2: float = 0.999,
+        theta: float = 0.999,
+        total_steps: int | None = None,
+        anneal_min: float = 0.5,
+        reset_interval: int = 500,
+        adaptive_clip: bool = True,
+        clip_rule: str = "rescale",
+        norm_scaling: bool = True,
+        reset_stats_correction: bool = False,
+    ) -> None:
+        if lr < 0.0:
+            raise ValueError(f"invalid lr {lr}: must be >= 0")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"invalid betas {betas}: each must be in [0, 1)")
+        if eps < 0.0:
+            raise ValueError(f"invalid eps {eps}: must be >= 0")
+        for name, val in (("gamma1", gamma1), ("gamma2", gamma2), ("theta", theta)):
+            if not 0.0 <= val < 1.0:
+                raise ValueError(f"invalid {name} {val}: must be in [0, 1)")
+        if total_steps is not None and total_steps <= 0:
+            raise ValueError(f"invalid total_steps {total_steps}: must be > 0 or None")
+        if reset_interval < 0:
+            raise ValueError(f"invalid reset_interval {reset_interval}: must be >= 0")
+        if clip_rule not in ("rescale", "clamp"):
+            raise ValueError(f"invalid clip_rule {clip_rule!r}: choose 'rescale' or 'clamp'")
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            gamma1=gamma1,
+            gamma2=gamma2,
+            theta=theta,
+            total_steps=total_steps,
+            anneal_min=anneal_min,
+            reset_interval=reset_interval,
+            adaptive_clip=adaptive_clip,
+            clip_rule=clip_rule,
+            norm_scaling=norm_scaling,
+            reset_stats_correction=reset_stats_correction,
+        )
+        super().__init__(params, defaults)
+
+    @classmethod
+    def state_bytes(cls, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+        """Exact bytes of state tensors one parameter holds after >= 1 step.
+
+        ``2 * numel * itemsize(dtype) + 3 * 4``: exp_avg and exp_avg_sq in the param dtype plus
+        three fp32 scalar EMAs; the step counters are python ints (0 bytes). Independent of
+        the group options: the EMAs are kept even when a feature is switched off.
+        """
+        numel = math.prod(shape)
+        return 2 * numel * torch.empty((), dtype=dtype).element_size() + 3 * 4
+
+    def annealing_factor(self, group: dict[str, Any], t: int) -> float:
+        """s_t = anneal_min + (1 - anneal_min) (1 + cos(pi min(t, T) / T)) / 2; 1 without T."""
+        total = group["total_steps"]
+        if total is None:
+            return 1.0
+        lo = group["anneal_min"]
+        return lo + (1.0 - lo) * _cosine(t / total)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Performs one optimization step (see the class docstring for the rule)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            eps = group["eps"]
+            theta, gamma2 = group["theta"], group["gamma2"]
+            interval = group["reset_interval"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("StableSPAM does not support sparse gradients")
+                state = self.state[p]
+                if "exp_avg" not in state:
+                    state["step"] = 0
+                    state["global_step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    for key in self._FP32_KEYS:
+                        state[key] = torch.zeros((), dtype=torch.float32, device=p.device)
+
+                state["global_step"] += 1
+                t = state["global_step"]
+                if interval > 0 and t % interval == 0:
+                    # Momentum reset: the moments and Adam's step restart before this update.
+                    state["exp_avg"].zero_()
+                    state["exp_avg_sq"].zero_()
+                    state["step"] = 0
+                state["step"] += 1
+                k = state["step"]
+                t_stats = k if group["reset_stats_correction"] else t
+                s = self.annealing_factor(group, t)
+
+                grad = p.grad
+                if group["adaptive_clip"]:
+                    # fp32 statistics: a bf16 max/threshold would round the EMA away.
+                    g_max = grad.abs().max().float()
+                    ema_max = state["exp_avg_max"]
+                    ema_max.mul_(theta).add_(g_max, alpha=1 - theta)
+                    threshold = ema_max / (1 - theta**t_stats)
+                    spike = grad.abs() > threshold
+                    if group["clip_rule"] == "rescale":
+                        # Where nothing spikes, g_max may be 0 and the ratio nan; where() drops it.
+                        clipped = grad * (threshold / g_max).to(grad.dtype)
+                    else:
+                        clipped = grad.sign() * threshold.to(grad.dtype)
+                    grad = torch.where(spike, clipped, grad)
+
+                if group["norm_scaling"]:
+                    gamma1 = group["gamma1"] * s
+                    norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+                    ema_norm, ema_norm_sq = state["exp_avg_norm"], state["exp_avg_norm_sq"]
+                    ema_norm.mul_(gamma1).add_(norm, alpha=1 - gamma1)
+                    ema_norm_sq.mul_(gamma2).add_(norm * norm, alpha=1 - gamma2)
+                    m_hat = ema_norm / (1 - gamma1**t_stats)
+                    v_hat = ema_norm_sq / (1 - gamma2**t_stats)
+                    target = m_hat / (v_hat.sqrt() + eps)
+                    # A zero gradient (e.g. a checkpoint loader's dummy step) stays zero.
+                    factor = torch.where(norm > 0, target / norm, torch.ones_like(norm))
+                    grad = grad * factor.to(grad.dtype)
+
+                _adamw_update_(
+                    p,
+                    grad,
+                    state["exp_avg"],
+                    state["exp_avg_sq"],
+                    k,
+                    group["lr"],
+                    beta1 * s,
+                    beta2,
+                    eps,
+                    group["weight_decay"],
+                )
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's loader, then the fp32 scalar EMAs restored in fp32 (torch casts them to the
+        param dtype, which would make a bf16 resume inexact)."""
+        _load_state_dict_keep_fp32(self, state_dict, self._FP32_KEYS)
+
+
+class SPAM(torch.optim.Optimizer):
+    r"""SPAM: spike-aware AdamW with periodic momentum reset and a cosine re-warm after resets.
+
+    For each parameter tensor with gradient G at global step t (1-based, counted per tensor),
+    with v the second moment from the previous step:
+
+    1. Momentum reset: when t is a multiple of `reset_interval` (Delta T, paper 500), exp_avg
+       and exp_avg_sq are zeroed before the update. The official code keeps Adam's step counter
+       (bias correction continues); `reset_step_counter=True` restarts it too.
+    2. Spike-aware clipping, theta = `threshold` (paper 5000)::
+
+           G_ij <- sign(G_ij) sqrt(theta v_ij)    where G_ij^2 > theta v_ij
+
+       skipped during the first `clip_delay` (20) steps after the start and after each reset,
+       while v is still too young to define a spike.
+    3. AdamW step (torch.optim.AdamW's formula) with the step size multiplied by a re-warm
+       factor: after a reset at step t0, for c = t - t0 < N = `warmup_steps` (150),
+       mult = 1 - (1 - warmup_start) (1 + cos(pi c / N)) / 2, rising from `warmup_start`
+       (0.01) to 1; otherwise 1. Weight decay is not re-warmed.
+
+    Differences from the official code, on purpose: the Adam update uses torch.optim.AdamW's
+    eps placement and decay order (the official code uses the HF form sqrt(v) + eps with
+    decay after the step), and the cosine re-warm ends exactly at 1 after N steps.
+
+    With threshold=0 and reset_interval=0 the optimizer is exactly torch.optim.AdamW (same lr,
+    betas, eps, weight_decay; note SPAM's default eps is 1e-6, torch's 1e-8).
+
+    Args:
+        params: Parameters or param groups (torch format). Every option below may be set per group.
+        lr: Learning rate eta.
+        betas: (beta1, beta2) of Adam.
+        eps: epsilon of Adam (official default 1e-6).
+        weight_decay: Decoupled weight decay lambda.
+        threshold: theta, spike threshold on G^2 / v; 0 disables clipping.
+        reset_interval: Delta T, steps between momentum resets; 0 never resets.
+        warmup_steps: N, length of the cosine re-warm after each reset; 0 disables it.
+        warmup_start: Step-size multiplier right at a reset (official: 1 - 0.99).
+        clip_delay: Steps after the start and after each reset without clipping.
+        reset_step_counter: Also restart Adam's step (bias correction) at a reset.
+
+    State per parameter: ``step`` (int, Adam step), ``global_step`` (int, t), ``exp_avg`` and
+    ``exp_avg_sq`` (param shape and dtype).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        threshold: float = 5000.0,
+        reset_interval: int = 500,
+        warmup_steps: int = 150,
+        warmup_start: float = 0.01,
+        clip_delay: int = 20,
+        reset_step_counter: bool = False,
+    ) -> None:
+        if lr < 0.0:
+            raise ValueError(f"invalid lr {lr}: must be >= 0")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"invalid betas {betas}: each must be in [0, 1)")
+        if eps < 0.0:
+            raise ValueError(f"invalid eps {eps}: must be >= 0")
+        if threshold < 0.0:
+            raise ValueError(f"invalid threshold {threshold}: must be >= 0")
+        if reset_interval < 0 or warmup_steps < 0 or clip_delay < 0:
+            raise ValueError("reset_interval, warmup_steps and clip_delay must be >= 0")
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            threshold=threshold,
+            reset_interval=reset_interval,
+            warmup_steps=warmup_steps,
+            warmup_start=warmup_start,
+            clip_delay=clip_delay,
+            reset_step_counter=reset_step_counter,
+        )
+        super().__init__(params, defaults)
+
+    @classmethod
+    def state_bytes(cls, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+        """Exact bytes of state tensors one parameter holds after >= 1 step.
+
+        ``2 * numel * itemsize(dtype)``: exp_avg and exp_avg_sq in the param dtype; the step
+        counters are python ints (0 bytes).
+        """
+        return 2 * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+    @staticmethod
+    def lr_multiplier(group: dict[str, Any], t: int) -> float:
+        """Cosine re-warm factor of the step size at global step t (1 outside a re-warm)."""
+        interval, warm = group["reset_interval"], group["warmup_steps"]
+        if interval <= 0 or warm <= 0 or t < interval:
+            return 1.0
+        since = t % interval
+        if since >= warm:
+            return 1.0
+        start = group["warmup_start"]
+        return 1.0 - (1.0 - start) * _cosine(since / warm)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Performs one optimization step (see the class docstring for the rule)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            interval, threshold = group["reset_interval"], group["threshold"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("SPAM does not support sparse gradients")
+                state = self.state[p]
+                if "exp_avg" not in state:
+                    state["step"] = 0
+                    state["global_step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+                state["global_step"] += 1
+                t = state["global_step"]
+                if interval > 0 and t % interval == 0:
+                    state["exp_avg"].zero_()
+                    state["exp_avg_sq"].zero_()
+                    if group["reset_step_counter"]:
+                        state["step"] = 0
+                state["step"] += 1
+
+                grad = p.grad
+                since_reset = t % interval if interval > 0 else t
+                if threshold > 0 and since_reset >= group["clip_delay"]:
+                    bound = state["exp_avg_sq"] * threshold
+                    spike = grad * grad > bound
+                    grad = torch.where(spike, grad.sign() * bound.sqrt(), grad)
+
+                _adamw_update_(
+                    p,
+                    grad,
+                    state["exp_avg"],
+                    state["exp_avg_sq"],
+                    state["step"],
+                    group["lr"],
+                    beta1,
+                    beta2,
+                    group["eps"],
+                    group["weight_decay"],
+                    lr_mult=self.lr_multiplier(group, t),
+                )
+        return loss
+
+
+def _load_state_dict_keep_fp32(
+    opt: torch.optim.Optimizer, state_dict: dict[str, Any], fp32_keys: tuple[str, ...]
+) -> None:
+    """Loads `state_dict` into `opt`, keeping the tensors under `fp32_keys` in their saved dtype.
+
+    torch.optim.Optimizer.load_state_dict casts every floating state tensor except ``step`` to
+    its parameter's dtype; for bf16 params that rounds fp32 statistics and breaks exact resume.
+    """
+    saved = state_dict["state"]
+    torch.optim.Optimizer.load_state_dict(opt, state_dict)
+    saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+    params = chain.from_iterable(g["params"] for g in opt.param_groups)
+    for pid, p in zip(saved_ids, params):
+        for key in fp32_keys:
+            if pid in saved and key in saved[pid]:
+                # A copy: the caller's state_dict must not alias live optimizer state.
+                opt.state[p][key] = saved[pid][key].detach().to(device=p.device, copy=True)

@@ -1,0 +1,351 @@
+"""Reliability claims: preemption, crashes mid-save, corrupt checkpoints, non-finite steps, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from effpretrain import cli
+from effpretrain.config import load_config
+from effpretrain.trainer import NonFiniteError, Trainer, train
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = ROOT / "recipes" / "tiny" / "adamw.yaml"
+SMALL = [
+    "data.seq_len=32", "data.vocab_size=512", "train.batch_size=4", "train.eval_batches=2",
+    "train.log_every=1", "train.plot=false",
+]
+
+
+def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "checkpoints" / f"step-{step}" / "model.safetensors"))
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """An uninterrupted 30-step run, checkpoints every 10 (kept: all three)."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    over = SMALL + ["train.max_steps=30", "train.save_every=10", "train.eval_every=30", "train.keep_checkpoints=3"]
+    summary = train(load_config(RECIPE, over), out)
+    return out, over, summary
+
+
+def test_sigterm_then_resume_auto_matches_uninterrupted(straight, tmp_path):
+    ref_dir, over, _ = straight
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "effpretrain", "train", str(RECIPE), "--out", str(out)]
+    for o in over:
+        args += ["--set", o]
+    proc = subprocess.Popen(args, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        if any(json.loads(ln).get("step", 0) >= 4 for ln in lines):
+            break
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    stopped = [p for p in (out / "checkpoints").iterdir() if p.name.startswith("step-")]
+    assert stopped and not (out / "summary.json").exists()
+    stop_step = max(int(p.name.split("-")[1]) for p in stopped)
+    assert 4 <= stop_step < 30
+    train(load_config(RECIPE, over), out, resume="auto")
+    assert same(weights(out, 30), weights(ref_dir, 30))
+
+
+KILL_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys
+    import torch
+    import effpretrain.checkpoint as ck
+    from effpretrain.config import load_config
+    from effpretrain.trainer import train
+
+    real_save = torch.save
+
+    def dying_save(obj, f, *a, **kw):
+        # The second checkpoint (step 20) dies after writing model and optimizer, mid-save.
+        if str(f).endswith("trainer.pt") and "step-20.tmp-" in str(f):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_save(obj, f, *a, **kw)
+
+    ck.torch.save = dying_save
+    recipe, out, *over = sys.argv[1:]
+    train(load_config(recipe, over), out)
+    """
+)
+
+
+def test_sigkill_mid_save_keeps_previous_checkpoint_and_resume_continues(straight, tmp_path):
+    ref_dir, over, _ = straight
+    out = tmp_path / "run"
+    script = tmp_path / "die.py"
+    script.write_text(KILL_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(RECIPE), str(out), *over], env=subprocess_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert "step-10" in names and "step-20" not in names
+    assert any(n.startswith("step-20.tmp-") for n in names)  # the half-written folder is not a checkpoint
+    train(load_config(RECIPE, over), out, resume="auto")
+    assert same(weights(out, 30), weights(ref_dir, 30))
+    assert not any(".tmp-" in p.name for p in (out / "checkpoints").iterdir())
+
+
+def test_truncated_newest_checkpoint_falls_back_to_previous(straight, tmp_path, caplog):
+    ref_dir, over, _ = straight
+    out = tmp_path / "run"
+    shutil.copytree(ref_dir, out)
+    final = weights(ref_dir, 30)
+    shutil.rmtree(out / "checkpoints" / "step-30")
+    (out / "summary.json").unlink()
+    opt = out / "checkpoints" / "step-20" / "optimizer.pt"
+    opt.write_bytes(opt.read_bytes()[: opt.stat().st_size // 2])
+    with caplog.at_level("WARNING", logger="effpretrain"):
+        train(load_config(RECIPE, over), out, resume="auto")
+    assert any("skipping checkpoint step-20" in r.message for r in caplog.records)
+    assert same(weights(out, 30), final)
+
+
+def test_nonfinite_gradients_skip_without_advancing_and_stop_after_n(tmp_path):
+    over = SMALL + ["train.max_steps=12", "train.eval_every=0", "train.save_every=4",
+                    "train.max_consecutive_skips=3"]
+    trainer = Trainer(load_config(RECIPE, over), tmp_path / "run")
+    calls = {"n": 0}
+    bad = {3, 4, 9, 10, 11}  # attempts (1-based) whose gradient the test poisons
+
+    def poison(grad):
+        return grad * float("nan") if calls["n"] in bad else grad
+
+    def count(module, args):
+        calls["n"] += 1
+
+    model = trainer.acc.unwrap_model(trainer.model)
+    model.register_forward_pre_hook(count)
+    model.lm_head.weight.register_hook(poison)
+
+    seen = {}
+    real_step = trainer._train_step
+
+    def spy():
+        before = (trainer.progress.step, trainer.sched.last_epoch, trainer.stream.state_dict(),
+                  {k: v.get("step") for k, v in trainer.inner_opt.state.items()})
+        out = real_step()
+        after = (trainer.progress.step, trainer.sched.last_epoch, trainer.stream.state_dict(),
+                 {k: v.get("step") for k, v in trainer.inner_opt.state.items()})
+        seen[calls["n"]] = (out[2], before, after)
+        return out
+
+    trainer._train_step = spy
+    with pytest.raises(NonFiniteError, match="3 consecutive non-finite steps"):
+        trainer.fit()
+    for attempt in (3, 4):
+        finite, before, after = seen[attempt]
+        assert not finite
+        assert before[1] == after[1]  # scheduler did not advance
+        assert all(torch.equal(before[2][k], after[2][k]) if torch.is_tensor(before[2][k])
+                   else before[2][k] == after[2][k] for k in before[2])  # nor the data position
+        assert {k: float(v) for k, v in before[3].items()} == {k: float(v) for k, v in after[3].items()}
+    assert seen[5][0] and trainer.progress.skipped == 5
+    # Attempts 1,2,5,6,7,8 were good: 6 steps; the run stopped at the third skip in a row.
+    assert trainer.progress.step == 6
+    events = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(e.get("event") == "skip" for e in events) == 5
+    assert (tmp_path / "run" / "checkpoints" / "step-4").is_dir()  # the last good checkpoint is kept
+
+
+# ----------------------------------------------------------------------------------------------
+# Malformed inputs: each exits 2 with one line and no traceback.
+
+
+@pytest.fixture(scope="module")
+def good_ckpt(tmp_path_factory):
+    out = tmp_path_factory.mktemp("good") / "run"
+    train(load_config(RECIPE, SMALL + ["train.max_steps=2", "train.eval_every=0"]), out)
+    return out / "checkpoints" / "step-2"
+
+
+class Evil:
+    def __reduce__(self):
+        return (print, ("pwned",))
+
+
+def _copy_ckpt(src: Path, dst: Path) -> Path:
+    target = dst / "run" / "checkpoints" / src.name
+    shutil.copytree(src, target)
+    return target
+
+
+def _case_pickled_object(tmp, ckpt):
+    c = _copy_ckpt(ckpt, tmp)
+    with open(c / "optimizer.pt", "wb") as fh:
+        pickle.dump({"state": Evil()}, fh)
+    return ["train", str(RECIPE), "--out", str(tmp / "o"), "--resume", str(c)] + _sets(SMALL)
+
+
+def _case_truncated_model(tmp, ckpt):
+    c = _copy_ckpt(ckpt, tmp)
+    f = c / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:100])
+    return ["train", str(RECIPE), "--out", str(tmp / "o"), "--resume", str(c)] + _sets(SMALL)
+
+
+def _case_no_marker(tmp, ckpt):
+    c = _copy_ckpt(ckpt, tmp)
+    (c / "COMPLETE").unlink()
+    return ["train", str(RECIPE), "--out", str(tmp / "o"), "--resume", str(c)] + _sets(SMALL)
+
+
+def _case_auto_none_good(tmp, ckpt):
+    c = _copy_ckpt(ckpt, tmp)
+    (c / "COMPLETE").unlink()
+    return ["train", str(RECIPE), "--out", str(tmp / "run"), "--resume", "auto"] + _sets(SMALL)
+
+
+def _case_other_model(tmp, ckpt):
+    return ["train", str(RECIPE), "--out", str(tmp / "o"), "--resume", str(ckpt)] + _sets(SMALL + ["model.preset=llama_20m"])
+
+
+def _case_other_batch(tmp, ckpt):
+    return ["train", str(RECIPE), "--out", str(tmp / "o"), "--resume", str(ckpt)] + _sets(SMALL + ["train.batch_size=8"])
+
+
+def _case_existing_run(tmp, ckpt):
+    c = _copy_ckpt(ckpt, tmp)
+    return ["train", str(RECIPE), "--out", str(c.parent.parent)] + _sets(SMALL)
+
+
+def _sets(over):
+    out = []
+    for o in over:
+        out += ["--set", o]
+    return out
+
+
+def _recipe(text):
+    def make(tmp, ckpt):
+        p = tmp / "r.yaml"
+        p.write_text(text)
+        # No overrides here: a --set would mask the recipe's bad value. max_steps bounds a miss.
+        return ["train", str(p), "--out", str(tmp / "o"), "--set", "train.max_steps=2"]
+
+    return make
+
+
+def _data_file(name, content, extra=()):
+    def make(tmp, ckpt):
+        f = tmp / "data" / name
+        f.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, bytes):
+            f.write_bytes(content)
+        elif content is not None:
+            f.write_text(content)
+        path = f if content is not None else f.parent
+        return ["train", str(RECIPE), "--out", str(tmp / "o")] + _sets(
+            SMALL + ["data.source=files", f"data.path={path}", *extra]
+        )
+
+    return make
+
+
+def _argv(*args):
+    return lambda tmp, ckpt: list(args)
+
+
+MALFORMED = {
+    # recipes
+    "unknown key": (_recipe("optim:\n  nam: adamw\n"), "unknown key 'optim.nam'"),
+    "unknown section": (_recipe("optimiser:\n  name: adamw\n"), "unknown key 'optimiser'"),
+    "wrong type": (_recipe("optim:\n  lr: fast\n"), "has the wrong type"),
+    "list for scalar": (_recipe("train:\n  max_steps: [1, 2]\n"), "has the wrong type"),
+    "negative lr": (_recipe("optim:\n  lr: -1.0\n"), "optim.lr=-1.0 must be > 0"),
+    "zero batch": (_recipe("train:\n  batch_size: 0\n"), "train.batch_size=0 must be > 0"),
+    "beta out of range": (_recipe("optim:\n  beta2: 1.0\n"), "optim.beta2=1.0 must be in [0, 1)"),
+    "bad precision": (_recipe("train:\n  precision: fp8\n"), "train.precision='fp8' is not one of"),
+    "bad optimizer": (_recipe("optim:\n  name: lion\n"), "optim.name='lion' is not one of"),
+    "bad preset": (_recipe("model:\n  preset: gpt4\n"), "model.preset='gpt4' is not one of"),
+    "bad yaml": (_recipe("optim: {name: adamw\n"), "not valid YAML"),
+    "top-level list": (_recipe("- 1\n- 2\n"), "must be a mapping"),
+    "hub without name": (_recipe("data:\n  source: hub\n"), "data.name is required"),
+    "seq_len beyond positions": (_recipe("model:\n  max_position_embeddings: 16\ndata:\n  seq_len: 32\n"),
+                                 "data.seq_len=32 exceeds model.max_position_embeddings=16"),
+    "rank beyond dims": (_recipe("optim:\n  name: galore\n  rank: 4096\n"), "optim.rank=4096 exceeds min(m, n)"),
+    "targets match nothing": (_recipe("optim:\n  name: galore\n  rank: 8\n  targets: [nothing]\n"),
+                              "matched no linear weight"),
+    # data
+    "missing data path": (_data_file("x.txt", None, ["data.path=does/not/exist.txt"]), "data.path not found"),
+    "empty txt": (_data_file("e.txt", "  \n\n "), "the corpus is empty"),
+    "empty folder": (_data_file("sub/.keep", "", ["data.path=DATA"]), "no .txt, .jsonl or .parquet"),
+    "jsonl without field": (_data_file("d.jsonl", '{"body": "x"}\n'), "no text field 'text'"),
+    "jsonl broken": (_data_file("d.jsonl", '{"text": "x"\n'), "not valid JSON"),
+    "jsonl non-string": (_data_file("d.jsonl", '{"text": 5}\n'), "is not a string"),
+    "parquet garbage": (_data_file("d.parquet", b"PAR1 not really"), "not a readable parquet"),
+    "csv file": (_data_file("d.csv", "text\nhello\n"), "unsupported file type"),
+    "one tiny document": (_data_file("one.txt", "just one line"), "too few documents"),
+    # checkpoints
+    "resume missing": (lambda tmp, ckpt: ["train", str(RECIPE), "--resume", str(tmp / "nope")], "does not exist"),
+    "resume not a checkpoint": (lambda tmp, ckpt: ["train", str(RECIPE), "--out", str(tmp / "o"), "--resume", str(tmp)],
+                                "not a complete checkpoint"),
+    "pickled object": (_case_pickled_object, "optimizer.pt refused or corrupt"),
+    "truncated safetensors": (_case_truncated_model, "model.safetensors unreadable"),
+    "incomplete checkpoint": (_case_no_marker, "not a complete checkpoint"),
+    "auto with none good": (_case_auto_none_good, "none is complete and loadable"),
+    "resume other model": (_case_other_model, "resume config differs"),
+    "resume other batch": (_case_other_batch, "train.batch_size: 4 -> 8"),
+    "out dir holds a run": (_case_existing_run, "already holds checkpoints"),
+    # CLI arguments
+    "unknown command": (_argv("fly"), "invalid choice: 'fly'"),
+    "estimate without model": (_argv("estimate"), "--model"),
+    "estimate bad dtype": (_argv("estimate", "--model", "tiny", "--dtype", "fp8"), "invalid choice: 'fp8'"),
+    "estimate negative rank": (_argv("estimate", "--model", "tiny", "--method", "galore", "--rank", "-4"),
+                               "--rank must be > 0"),
+    "estimate zero world": (_argv("estimate", "--model", "tiny", "--world-size", "0"), "--world-size must be > 0"),
+    "set without value": (_argv("train", str(RECIPE), "--set", "optim.lr"), "not of the form"),
+    "set non-number": (_argv("train", str(RECIPE), "--set", "train.seed=abc"), "train.seed='abc' has the wrong type"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED), ids=list(MALFORMED))
+def test_malformed_input_exits_2_one_line(case, tmp_path, good_ckpt, capsys):
+    make, needle = MALFORMED[case]
+    argv = make(tmp_path, good_ckpt)
+    argv = [a.replace("data.path=DATA", f"data.path={tmp_path / 'data' / 'sub'}") for a in argv]
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:  # argparse errors
+        code = e.code
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip() and "it/s]" not in ln]
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert len(lines) == 1, err
+    assert needle in lines[0], lines[0]
+
+
+def test_at_least_thirty_malformed_cases():
+    assert len(MALFORMED) >= 30
