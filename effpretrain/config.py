@@ -122,6 +122,13 @@ class RestartsConfig:
 
 
 @dataclass
+class DistConfig:
+    """Data parallelism across processes (launch with accelerate launch or torchrun)."""
+
+    sharding: str = "ddp"  # ddp | fsdp2 (used only when several processes run)
+
+
+@dataclass
 class RunConfig:
     """Everything a run needs; `method` is a display name (defaults to the recipe's stem)."""
 
@@ -132,6 +139,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     restarts: RestartsConfig = field(default_factory=RestartsConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -144,6 +152,7 @@ _CHOICES = {
     "data.mode": ("pack", "truncate"),
     "train.schedule": ("cosine", "linear", "constant"),
     "train.precision": ("fp32", "bf16-mixed", "bf16-pure"),
+    "dist.sharding": ("ddp", "fsdp2"),
 }
 _POSITIVE = [
     "factor.rank", "factor.alpha", "optim.lr", "optim.eps", "optim.rank", "optim.update_proj_gap",

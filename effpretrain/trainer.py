@@ -183,6 +183,7 @@ class Trainer:
         )
         self.rank, self.world = self.acc.process_index, self.acc.num_processes
         self.is_main = self.acc.is_main_process
+        check_launch(self.world, cfg)
         set_seed(t.seed)
 
         # Resume target first: a bad --resume must fail before any work or any write.
@@ -235,6 +236,8 @@ class Trainer:
         self.inner_opt = opt
         self.sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
         self.model, self.opt = self.acc.prepare(model, opt)
+        if self.world > 1 and not isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            raise ConfigError(f"{self.world} processes but the model is not wrapped in DDP (got {type(self.model).__name__})")
         self.progress = Progress()
         if self.resume_path is not None:
             self._load(self.resume_path, allow_config_change)
@@ -253,12 +256,14 @@ class Trainer:
         from optimizers import Restarts
 
         r, kind = self.cfg.restarts, self.cfg.factor.kind
-        hooks = [lambda: relora_merge_(model)] if kind == "relora" else []
-        pairs = factor_pairs(model) if (r.refactorize and kind in ("lowrank", "sltrain")) else []
-        return Restarts(
-            opt, pairs, r.every,
-            refactorize=bool(pairs), reset_momentum=r.reset_momentum or kind == "relora", hooks=hooks,
-        )
+        if kind == "relora":
+            # ReLoRA's restart: merge B A into W0, re-init, reset only B and A's state (jagged LR in lr_factor).
+            return Restarts(opt, [], r.every, refactorize=False, reset_momentum=False,
+                            hooks=[lambda: relora_merge_(model, opt)])
+        pairs = factor_pairs(model) if (r.refactorize and kind in ("lowrank", "sltrain", "lora")) else []
+        if r.refactorize and not pairs and kind != "none":
+            raise ConfigError(f"restarts.refactorize needs a low-rank factorization (factor.kind={kind})")
+        return Restarts(opt, pairs, r.every, refactorize=bool(pairs), reset_momentum=r.reset_momentum)
 
     # -- checkpoints --------------------------------------------------------------------------
     def _trainer_state(self) -> dict[str, Any]:
@@ -556,6 +561,22 @@ class Trainer:
             "config_hash": config_hash(self.cfg),
             **self._opt_telemetry(),
         }
+
+
+def check_launch(world: int, cfg: RunConfig) -> None:
+    """Refuses a distributed set-up that differs from the one launched (known silent traps)."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != world:
+        raise ConfigError(f"launched {launched} processes (WORLD_SIZE) but Accelerate set up {world}")
+    mpi = any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
+    if world == 1 and "WORLD_SIZE" not in os.environ and os.environ.get("MASTER_ADDR") and not mpi:
+        # accelerate launch with a MULTI_CPU config (or --cpu --num_processes N) starts one process.
+        raise ConfigError(
+            "a multi-process launch started a single process (accelerate launch on CPU does this); "
+            "use --config_file recipes/accelerate/ddp_cpu.yaml or torchrun --nproc_per_node N"
+        )
+    if world > 1 and cfg.dist.sharding == "fsdp2":
+        raise ConfigError("dist.sharding=fsdp2 is not supported yet; use dist.sharding=ddp")
 
 
 class NonFiniteError(RuntimeError):

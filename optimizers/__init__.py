@@ -13,6 +13,10 @@ from typing import Any
 
 import torch
 
+from optimizers.momentum_reset import reset_
+from optimizers.refactorization import refactorize_
+from optimizers.restarts import Restarts, recovery_factor
+
 OPTIMIZERS: dict[str, str] = {
     "adamw": "torch.optim:AdamW",
     "galore": "optimizers.galore:GaLoreAdamW",
@@ -79,6 +83,10 @@ def measured_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 __all__ = [
     "OPTIMIZERS",
     "PROJECTED",
+    "Restarts",
+    "recovery_factor",
+    "refactorize_",
+    "reset_",
     "build_optimizer",
     "get_optimizer_class",
     "measured_state_bytes",

@@ -1,0 +1,500 @@
+"""Factorized linear layers and the model surgery that installs them.
+
+Notation as in PAPER.md: a target Linear computes y = W x + b with W m x n (out x in); r is the
+rank, alpha a fixed scale, s = alpha / r. Every layer keeps its factors as B (m x r) and A (r x n).
+
+| layer         | effective weight           | trainable           | frozen | init                           |
+|---------------|----------------------------|---------------------|--------|--------------------------------|
+| LowRankLinear | s B A                      | B, A: r (m + n)     | -      | B, A Kaiming-uniform           |
+| LoRALinear    | W0 + s B A                 | B, A: r (m + n)     | W0: mn | B = 0, A Kaiming, W0 kept      |
+| ReLoRALinear  | W0 + s B A, merged every N | B, A: r (m + n)     | W0: mn | as LoRA                        |
+| SLTrainLinear | s B A + S (fixed support)  | B, A + S values nnz | -      | B = 0, A Kaiming, S U(+-1/rtn) |
+
+(nnz = floor(delta m n); "rtn" is sqrt(n); SLTrain also holds an int64 index buffer of nnz
+elements; a bias, if the original Linear had one, is kept and trained.) "Kaiming-uniform" is
+nn.Linear's default init, U(+-1/sqrt(fan_in)): fan_in = n for A and r for B.
+
+Sources: Low-Rank and restarts, Glentis et al. 2025 (the benchmark); LoRA, Hu et al. 2021;
+ReLoRA, Lialin et al. 2023; SLTrain, Han et al. 2024. Two known bugs of public ReLoRA-style code
+are avoided by construction: B and A are never both zero-initialised (no gradient would ever
+reach either), and the optimizer state is only reset or pruned after B A was merged into W0 (else
+the update is lost).
+
+Every layer offers `factor_pair()` -> (B, A) for optimizers.refactorization.refactorize_ (SLTrain's
+sparse part is not part of the pair and is left alone) and `dense_weight()` -> the m x n effective
+weight (for export and merging).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import zlib
+from collections.abc import Iterable, Sequence
+from fractions import Fraction
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from optimizers.momentum_reset import prune_, reset_
+
+__all__ = [
+    "FACTORIZED_KINDS",
+    "FactorizedLinear",
+    "LoRALinear",
+    "LowRankLinear",
+    "ReLoRALinear",
+    "SLTrainLinear",
+    "TARGETS",
+    "apply_factorization",
+    "factor_pairs",
+    "factorized_param_counts",
+    "merge_factorized_",
+    "relora_merge_",
+    "sparse_nnz",
+]
+
+logger = logging.getLogger("effpretrain")
+
+TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _kaiming_(t: Tensor) -> None:
+    # nn.Linear's default: kaiming_uniform(a=sqrt(5)) == U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+    nn.init.kaiming_uniform_(t, a=math.sqrt(5))
+
+
+def sparse_nnz(m: int, n: int, density: float) -> int:
+    """floor(density * m * n), exact for decimal densities (0.29 * 100 is 29, not 28)."""
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"SLTrain density must be in (0, 1], got {density}")
+    return math.floor(Fraction(str(density)) * m * n)
+
+
+class FactorizedLinear(nn.Module):
+    """Shared base: shapes, the scale s = alpha / r, the factors B (m x r) and A (r x n), a bias.
+
+    Subclasses define `forward` and `dense_weight`. `bias`: None/False for none, the (trainable)
+    bias parameter of the Linear being replaced, or True for a new one initialised as nn.Linear's.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        rank: int,
+        alpha: float,
+        bias: nn.Parameter | bool | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if not 1 <= rank <= min(in_features, out_features):
+            raise ValueError(f"rank {rank} must be in [1, min(m, n)={min(in_features, out_features)}]")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.rank = rank
+        self.alpha = float(alpha)
+        self.scale = self.alpha / rank
+        kw = {"device": device, "dtype": dtype}
+        self.B = nn.Parameter(torch.empty(out_features, rank, **kw))
+        self.A = nn.Parameter(torch.empty(rank, in_features, **kw))
+        if bias is True:
+            bias = nn.Parameter(torch.empty(out_features, **kw))
+            bound = 1.0 / math.sqrt(in_features)
+            nn.init.uniform_(bias, -bound, bound)
+        self.register_parameter("bias", None if bias is None or bias is False else bias)
+
+    def factor_pair(self) -> tuple[nn.Parameter, nn.Parameter]:
+        """(B, A), the pair refactorization re-splits; B A is all of the low-rank part."""
+        return self.B, self.A
+
+    def _low_rank_fp32(self) -> Tensor:
+        return self.scale * (self.B.detach().float() @ self.A.detach().float())
+
+    def dense_weight(self) -> Tensor:
+        """The m x n effective weight, computed in fp32 and returned in the factors' dtype."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
+            f"alpha={self.alpha:g}, bias={self.bias is not None}"
+        )
+
+
+class LowRankLinear(FactorizedLinear):
+    """Pure factorization y = s B (A x) + b with no dense weight (benchmark section "Low-Rank").
+
+    Both factors Kaiming-uniform (B is not zero: B A is the whole weight, so a zero B would start
+    the layer at W = 0). Memory O((m + n) r) for weights, grads and Adam state.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        rank: int,
+        alpha: float,
+        bias: nn.Parameter | bool | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, rank, alpha, bias, device, dtype)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _kaiming_(self.A)
+        _kaiming_(self.B)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Scale the r-dim intermediate: cheaper than scaling the output.
+        return F.linear(F.linear(x, self.A) * self.scale, self.B, self.bias)
+
+    @torch.no_grad()
+    def dense_weight(self) -> Tensor:
+        return self._low_rank_fp32().to(self.B.dtype)
+
+
+class LoRALinear(FactorizedLinear):
+    """LoRA for pretraining: y = W0 x + s B (A x) + b, W0 frozen at its random init.
+
+    `weight` is W0 (requires_grad False), by default the very Parameter of the replaced Linear, so
+    no copy is made. B = 0 and A Kaiming, so the model starts exactly at W0 and B receives gradient
+    G (A x)^T != 0 from the first step.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        rank: int,
+        alpha: float,
+        bias: nn.Parameter | bool | None = None,
+        weight: nn.Parameter | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, rank, alpha, bias, device, dtype)
+        if weight is None:
+            weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+            _kaiming_(weight)
+        if tuple(weight.shape) != (out_features, in_features):
+            raise ValueError(f"W0 has shape {tuple(weight.shape)}, expected {(out_features, in_features)}")
+        weight.requires_grad_(False)
+        self.weight = weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """A Kaiming-uniform, B zero (W0 untouched)."""
+        _kaiming_(self.A)
+        nn.init.zeros_(self.B)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias) + F.linear(F.linear(x, self.A) * self.scale, self.B)
+
+    @torch.no_grad()
+    def dense_weight(self) -> Tensor:
+        return (self.weight.float() + self._low_rank_fp32()).to(self.weight.dtype)
+
+
+class ReLoRALinear(LoRALinear):
+    """LoRA whose update is periodically merged into W0 and restarted (ReLoRA).
+
+    Every N steps `merge_and_reinit_()`: W0 <- W0 + s B A (fp32, cast back), then A Kaiming and
+    B = 0 again, so the layer's function is unchanged by the merge and the next N steps learn a new
+    rank-r update on top: the sum of updates can reach full rank. The optimizer state of B and A
+    must then be reset or pruned (see `relora_merge_`), always after the merge.
+    """
+
+    @torch.no_grad()
+    def merge_and_reinit_(self) -> None:
+        """W0 <- W0 + s B A (fp32 then cast), then A <- Kaiming, B <- 0. Output is preserved."""
+        self.weight.copy_(self.dense_weight())
+        self.reset_parameters()
+
+
+class SLTrainLinear(FactorizedLinear):
+    """Sparse plus low-rank: y = (s B A + S) x + b, S on a fixed random support (SLTrain).
+
+    The support is floor(delta m n) distinct flat indices into the m x n matrix, drawn once from
+    `torch.Generator().manual_seed(seed)` and stored as the persistent int64 buffer `sparse_index`
+    (so it is saved in the state dict and restored exactly); `sparse_values` holds the trainable
+    entries, init U(+-1/sqrt(n)). B = 0, A Kaiming.
+
+    Memory: the forward materialises the dense W = s B A + S for the layer (one m x n tensor in
+    the weight dtype); autograd keeps it for the backward of F.linear, so during a training step
+    each factorized layer transiently holds one dense m x n weight until its backward ran (about a
+    full weight copy at peak across layers; use activation checkpointing to bound it to a layer).
+    The backward also forms the dense m x n weight gradient, from which B, A and the values'
+    gradients are taken.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        rank: int,
+        alpha: float,
+        density: float = 0.03,
+        seed: int = 0,
+        bias: nn.Parameter | bool | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, rank, alpha, bias, device, dtype)
+        self.density = float(density)
+        self.seed = int(seed)
+        nnz = sparse_nnz(out_features, in_features, density)
+        gen = torch.Generator().manual_seed(self.seed)
+        # Sorted indices: coalesced, cache-friendly scatter; the set is what matters.
+        support = torch.randperm(out_features * in_features, generator=gen)[:nnz].sort().values
+        self.register_buffer("sparse_index", support.to(device=device), persistent=True)
+        self.sparse_values = nn.Parameter(torch.empty(nnz, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """A Kaiming, B zero, sparse values U(+-1/sqrt(n)); the support is fixed for life."""
+        _kaiming_(self.A)
+        nn.init.zeros_(self.B)
+        bound = 1.0 / math.sqrt(self.in_features)
+        nn.init.uniform_(self.sparse_values, -bound, bound)
+
+    def _dense(self, B: Tensor, A: Tensor, values: Tensor) -> Tensor:
+        # One m x n buffer: s B A, scaled and then given the sparse entries in place (autograd-safe:
+        # mm saves B and A, not its output; the support is distinct, so index_add_ is a scatter).
+        w = torch.mm(B, A).mul_(self.scale)
+        w.view(-1).index_add_(0, self.sparse_index, values)
+        return w
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self._dense(self.B, self.A, self.sparse_values), self.bias)
+
+    @torch.no_grad()
+    def dense_weight(self) -> Tensor:
+        return self._dense(self.B.float(), self.A.float(), self.sparse_values.float()).to(self.B.dtype)
+
+    def extra_repr(self) -> str:
+        nnz = self.sparse_index.numel()
+        return f"{super().extra_repr()}, density={self.density:g}, nnz={nnz}, seed={self.seed}"
+
+
+FACTORIZED_KINDS: dict[str, type[FactorizedLinear]] = {
+    "lowrank": LowRankLinear,
+    "lora": LoRALinear,
+    "relora": ReLoRALinear,
+    "sltrain": SLTrainLinear,
+}
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in FACTORIZED_KINDS:
+        raise ValueError(f"unknown factorization kind {kind!r}; choose one of {', '.join(FACTORIZED_KINDS)}")
+
+
+def factorized_param_counts(
+    m: int, n: int, kind: str, rank: int, density: float = 0.03, bias: bool = False
+) -> dict[str, int]:
+    """Elements one factorized m x n (out x in) layer holds, without building it.
+
+    trainable = r (m + n) [+ nnz for sltrain] [+ m with a bias]; frozen = m n for lora/relora (W0),
+    else 0; index_elements = nnz = floor(density m n) for sltrain (int64), else 0.
+
+    Args:
+        m: out_features.
+        n: in_features.
+        kind: one of "lowrank", "lora", "relora", "sltrain".
+        rank: r.
+        density: SLTrain's delta (ignored otherwise).
+        bias: whether the replaced Linear had a bias (kept, trainable).
+
+    Returns:
+        dict(trainable=..., frozen=..., index_elements=...).
+    """
+    _check_kind(kind)
+    trainable = rank * (m + n) + (m if bias else 0)
+    frozen = m * n if kind in ("lora", "relora") else 0
+    index = sparse_nnz(m, n, density) if kind == "sltrain" else 0
+    return {"trainable": trainable + index, "frozen": frozen, "index_elements": index}
+
+
+def _param_counts(model: nn.Module) -> tuple[int, int]:
+    params = list(model.parameters())
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
+
+
+def apply_factorization(
+    model: nn.Module,
+    kind: str,
+    rank: int,
+    alpha: float,
+    targets: Sequence[str] = TARGETS,
+    density: float = 0.03,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Replaces, in place, every nn.Linear whose attribute name is in `targets` by a factorized layer.
+
+    Works on transformers' LlamaForCausalLM (the default targets are its attention and MLP
+    projections; embeddings, norms and lm_head are untouched) and on any module tree. All checks
+    run before anything is replaced, so a failure leaves the model unchanged. New parameters are
+    created on the replaced weight's device and dtype, initialised from torch's global RNG (seed it
+    for reproducibility); LoRA/ReLoRA keep the original weight object as the frozen W0. SLTrain
+    supports are drawn from a generator seeded by crc32(f"{seed}/{module name}"), so they are
+    reproducible and distinct per layer. Logs (logger "effpretrain") what it replaced and the
+    parameter counts before and after.
+
+    Args:
+        model: the model to modify.
+        kind: "lowrank", "lora", "relora" or "sltrain".
+        rank: r, at most min(m, n) of every target.
+        alpha: the scale numerator (s = alpha / r).
+        targets: attribute names of the Linear modules to replace.
+        density: SLTrain's delta.
+        seed: base seed of SLTrain's supports.
+
+    Returns:
+        {"kind", "rank", "alpha", "density" (sltrain only), "replaced": [module names],
+        "params_before", "params_after", "trainable_params", "frozen_params", "index_elements"}.
+
+    Raises:
+        ValueError: unknown kind; rank < 1; rank > min(m, n) of a target (naming it); no module
+            matched `kind`/`targets`.
+    """
+    _check_kind(kind)
+    if rank < 1:
+        raise ValueError(f"rank must be >= 1, got {rank}")
+    if kind == "sltrain":
+        sparse_nnz(1, 1, density)  # validates density before any surgery
+    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    found = [
+        (name, mod)
+        for name, mod in model.named_modules()
+        if isinstance(mod, nn.Linear) and name.rpartition(".")[2] in targets
+    ]
+    if not found:
+        raise ValueError(
+            f"apply_factorization(kind={kind!r}) replaced nothing: no nn.Linear named one of {list(targets)} "
+            f"in {type(model).__name__}"
+        )
+    for name, mod in found:
+        if rank > min(mod.out_features, mod.in_features):
+            raise ValueError(
+                f"rank {rank} exceeds min(m, n)={min(mod.out_features, mod.in_features)} of {name}"
+            )
+
+    params_before, trainable_before = _param_counts(model)
+    cls = FACTORIZED_KINDS[kind]
+    for name, lin in found:
+        w = lin.weight
+        common = {"bias": lin.bias, "device": w.device, "dtype": w.dtype}
+        if kind == "sltrain":
+            layer_seed = zlib.crc32(f"{seed}/{name}".encode())
+            new = cls(
+                lin.in_features, lin.out_features, rank, alpha, density=density, seed=layer_seed, **common
+            )
+        elif kind in ("lora", "relora"):
+            new = cls(lin.in_features, lin.out_features, rank, alpha, weight=w, **common)
+        else:
+            new = cls(lin.in_features, lin.out_features, rank, alpha, **common)
+        _replace(model, name, new)
+
+    params_after, trainable_after = _param_counts(model)
+    index_elements = sum(m.sparse_index.numel() for m in model.modules() if isinstance(m, SLTrainLinear))
+    per_target: dict[str, int] = {}
+    for name, _ in found:
+        key = name.rpartition(".")[2]
+        per_target[key] = per_target.get(key, 0) + 1
+    logger.info(
+        "apply_factorization: %s (rank=%d, alpha=%g%s) replaced %d Linear layers (%s); "
+        "params %d -> %d, trainable %d -> %d",
+        kind,
+        rank,
+        alpha,
+        f", density={density:g}" if kind == "sltrain" else "",
+        len(found),
+        ", ".join(f"{k} x{v}" for k, v in per_target.items()),
+        params_before,
+        params_after,
+        trainable_before,
+        trainable_after,
+    )
+    for name, _ in found:
+        logger.debug("apply_factorization: %s -> %s", name, cls.__name__)
+    report: dict[str, Any] = {
+        "kind": kind,
+        "rank": rank,
+        "alpha": float(alpha),
+        "replaced": [name for name, _ in found],
+        "params_before": params_before,
+        "params_after": params_after,
+        "trainable_params": trainable_after,
+        "frozen_params": params_after - trainable_after,
+        "index_elements": index_elements,
+    }
+    if kind == "sltrain":
+        report["density"] = float(density)
+    return report
+
+
+def factorized_layers(model: nn.Module) -> list[tuple[str, FactorizedLinear]]:
+    """(name, layer) for every factorized layer of `model`, in module order."""
+    return [(name, mod) for name, mod in model.named_modules() if isinstance(mod, FactorizedLinear)]
+
+
+def factor_pairs(model: nn.Module) -> list[tuple[nn.Parameter, nn.Parameter]]:
+    """(B, A) of every factorized layer, for optimizers.refactorization.refactorize_ / Restarts."""
+    return [layer.factor_pair() for _, layer in factorized_layers(model)]
+
+
+@torch.no_grad()
+def merge_factorized_(model: nn.Module) -> int:
+    """Replaces every factorized layer by a plain nn.Linear holding its dense_weight() (for export).
+
+    The new Linear has the same outputs up to the rounding of (B A) x vs B (A x) and keeps the
+    original bias parameter. Returns the number of layers replaced.
+    """
+    layers = factorized_layers(model)
+    for name, layer in layers:
+        w = layer.dense_weight()
+        # Built on the meta device so no throwaway weight is allocated and initialised.
+        lin = nn.Linear(layer.in_features, layer.out_features, bias=False, device="meta")
+        lin.weight = nn.Parameter(w)
+        lin.bias = layer.bias
+        _replace(model, name, lin)
+    return len(layers)
+
+
+@torch.no_grad()
+def relora_merge_(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    prune_ratio: float | None = None,
+) -> int:
+    """ReLoRA restart: merge every ReLoRALinear (W0 += s B A; A Kaiming, B = 0), then fix its state.
+
+    The merge always happens first, so no update is lost. With an optimizer, the state of the
+    merged B and A is then either reset (prune_ratio None: moments and step zeroed,
+    optimizers.momentum_reset.reset_) or magnitude-pruned (ReLoRA's choice, prune_ratio 0.999: keep
+    the largest 0.1% of each moment, optimizers.momentum_reset.prune_). Other parameters' state is
+    untouched. Pair with a jagged LR (optimizers.restarts.recovery_factor).
+
+    Returns:
+        The number of layers merged.
+    """
+    layers = [m for _, m in factorized_layers(model) if isinstance(m, ReLoRALinear)]
+    for layer in layers:
+        layer.merge_and_reinit_()
+    if optimizer is not None and layers:
+        params: Iterable[Tensor] = [p for layer in layers for p in layer.factor_pair()]
+        if prune_ratio is None:
+            reset_(optimizer, params=params)
+        else:
+            prune_(optimizer, prune_ratio, params=params)
+    return len(layers)
