@@ -87,7 +87,12 @@ def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str,
         for pname, p in module.named_parameters(recurse=False):
             if not p.requires_grad:
                 continue
-            if projected_method and isinstance(module, torch.nn.Linear) and attr in targets and pname == "weight":
+            if (
+                projected_method
+                and isinstance(module, torch.nn.Linear)
+                and attr in targets
+                and pname == "weight"
+            ):
                 proj.append(p)
             elif p.ndim < 2:
                 no_decay.append(p)
@@ -100,7 +105,9 @@ def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str,
         )
     for p in proj:
         if o.rank > min(p.shape) and o.name != "apollo_mini":
-            raise ConfigError(f"optim.rank={o.rank} exceeds min(m, n)={min(p.shape)} of a projected {tuple(p.shape)} weight")
+            raise ConfigError(
+                f"optim.rank={o.rank} exceeds min(m, n)={min(p.shape)} of a projected {tuple(p.shape)} weight"
+            )
     groups = []
     if proj:
         groups.append({"params": proj, "weight_decay": o.weight_decay, **memory.projection_group(o)})
@@ -113,11 +120,54 @@ def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str,
 
 def optimizer_kwargs(cfg: RunConfig) -> dict[str, Any]:
     o = cfg.optim
-    kw: dict[str, Any] = {"lr": o.lr, "betas": (o.beta1, o.beta2), "eps": o.eps, "weight_decay": o.weight_decay}
+    kw: dict[str, Any] = {
+        "lr": o.lr,
+        "betas": (o.beta1, o.beta2),
+        "eps": o.eps,
+        "weight_decay": o.weight_decay,
+    }
     kw.update({k: v for k, v in o.extra.items() if k not in ("oversample", "power_iters", "seed")})
     if o.name in ("stable_spam",) and "total_steps" not in kw:
         kw["total_steps"] = cfg.train.max_steps
     return kw
+
+
+def wrap_restarts(
+    opt: torch.optim.Optimizer, model: torch.nn.Module, cfg: RunConfig
+) -> torch.optim.Optimizer:
+    """The `restarts` section as an optimizer wrapper (shared by the trainer and the HF callback)."""
+    from effpretrain.models import factor_pairs, relora_merge_
+    from optimizers import Restarts
+
+    r, kind = cfg.restarts, cfg.factor.kind
+    if kind == "relora":
+        # ReLoRA's restart: merge B A into W0, re-init, reset only B and A's state (jagged LR in lr_factor).
+        return Restarts(
+            opt,
+            [],
+            r.every,
+            refactorize=False,
+            reset_momentum=False,
+            hooks=[lambda: relora_merge_(model, opt)],
+        )
+    pairs = factor_pairs(model) if (r.refactorize and kind in ("lowrank", "sltrain", "lora")) else []
+    if r.refactorize and not pairs and kind != "none":
+        raise ConfigError(f"restarts.refactorize needs a low-rank factorization (factor.kind={kind})")
+    return Restarts(opt, pairs, r.every, refactorize=bool(pairs), reset_momentum=r.reset_momentum)
+
+
+def opt_telemetry(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """Basis refreshes (count, seconds) and restarts, from the optimizer and any wrapper of it."""
+    out: dict[str, Any] = {}
+    o: Any = opt
+    while o is not None:
+        if hasattr(o, "refresh_count"):
+            out["opt/refreshes"] = int(o.refresh_count)
+            out["opt/refresh_s"] = float(getattr(o, "refresh_seconds", 0.0))
+        if hasattr(o, "num_restarts"):
+            out["opt/restarts"] = int(o.num_restarts)
+        o = getattr(o, "optimizer", None)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,7 +217,9 @@ class Progress:
 class Trainer:
     """Owns the run's objects; `fit()` is the loop."""
 
-    def __init__(self, cfg: RunConfig, out_dir: Path, resume: str | None = None, allow_config_change: bool = False):
+    def __init__(
+        self, cfg: RunConfig, out_dir: Path, resume: str | None = None, allow_config_change: bool = False
+    ):
         from accelerate import Accelerator
         from accelerate.utils import set_seed
 
@@ -189,13 +241,17 @@ class Trainer:
         # Resume target first: a bad --resume must fail before any work or any write.
         self.resume_path = ckpt.find_resume(out_dir, resume) if resume else None
         if resume is None and ckpt.complete_checkpoints(out_dir / "checkpoints"):
-            raise ConfigError(f"{out_dir} already holds checkpoints; pass --resume auto or choose another --out")
+            raise ConfigError(
+                f"{out_dir} already holds checkpoints; pass --resume auto or choose another --out"
+            )
 
         # Data
         with self.acc.main_process_first():
             self.corpus = data_mod.load_corpus(cfg.data)
             self.tok = data_mod.load_tokenizer(cfg.data, self.corpus)
-        self.stream = data_mod.TokenStream(self.corpus, self.tok, cfg.data.seq_len, cfg.data.mode, cfg.data.shuffle_seed)
+        self.stream = data_mod.TokenStream(
+            self.corpus, self.tok, cfg.data.seq_len, cfg.data.mode, cfg.data.shuffle_seed
+        )
         self.batches = data_mod.Batches(
             self.stream, t.batch_size, t.grad_accum, self.rank, self.world, vocab_size=self.tok.vocab_size
         )
@@ -215,8 +271,13 @@ class Trainer:
 
             try:
                 self.factor_report = apply_factorization(
-                    model, cfg.factor.kind, cfg.factor.rank, cfg.factor.alpha,
-                    targets=tuple(cfg.factor.targets), density=cfg.factor.density, seed=cfg.factor.seed,
+                    model,
+                    cfg.factor.kind,
+                    cfg.factor.rank,
+                    cfg.factor.alpha,
+                    targets=tuple(cfg.factor.targets),
+                    density=cfg.factor.density,
+                    seed=cfg.factor.seed,
                 )
             except ValueError as e:
                 raise ConfigError(f"factor: {e}") from None
@@ -232,12 +293,14 @@ class Trainer:
         except (ValueError, TypeError) as e:
             raise ConfigError(f"optim: {e}") from None
         if cfg.restarts.every > 0:
-            opt = self._wrap_restarts(opt, model)
+            opt = wrap_restarts(opt, model, cfg)
         self.inner_opt = opt
         self.sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
         self.model, self.opt = self.acc.prepare(model, opt)
         if self.world > 1 and not isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
-            raise ConfigError(f"{self.world} processes but the model is not wrapped in DDP (got {type(self.model).__name__})")
+            raise ConfigError(
+                f"{self.world} processes but the model is not wrapped in DDP (got {type(self.model).__name__})"
+            )
         self.progress = Progress()
         if self.resume_path is not None:
             self._load(self.resume_path, allow_config_change)
@@ -248,22 +311,10 @@ class Trainer:
 
         for name in self.cfg.train.trackers:
             if importlib.util.find_spec(name) is None:
-                raise ConfigError(f"train.trackers: {name} is not installed (pip install 'effpretrain[track]')")
+                raise ConfigError(
+                    f"train.trackers: {name} is not installed (pip install 'effpretrain[track]')"
+                )
         return list(self.cfg.train.trackers)
-
-    def _wrap_restarts(self, opt: torch.optim.Optimizer, model: torch.nn.Module) -> torch.optim.Optimizer:
-        from effpretrain.models import factor_pairs, relora_merge_
-        from optimizers import Restarts
-
-        r, kind = self.cfg.restarts, self.cfg.factor.kind
-        if kind == "relora":
-            # ReLoRA's restart: merge B A into W0, re-init, reset only B and A's state (jagged LR in lr_factor).
-            return Restarts(opt, [], r.every, refactorize=False, reset_momentum=False,
-                            hooks=[lambda: relora_merge_(model, opt)])
-        pairs = factor_pairs(model) if (r.refactorize and kind in ("lowrank", "sltrain", "lora")) else []
-        if r.refactorize and not pairs and kind != "none":
-            raise ConfigError(f"restarts.refactorize needs a low-rank factorization (factor.kind={kind})")
-        return Restarts(opt, pairs, r.every, refactorize=bool(pairs), reset_momentum=r.reset_momentum)
 
     # -- checkpoints --------------------------------------------------------------------------
     def _trainer_state(self) -> dict[str, Any]:
@@ -328,17 +379,23 @@ class Trainer:
         missing, unexpected = model.load_state_dict(state["model"], strict=False)
         # Non-persistent buffers (rotary inv_freq) are rebuilt, not saved.
         if unexpected or [k for k in missing if k in dict(model.named_parameters())]:
-            raise ConfigError(f"checkpoint {path} does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+            raise ConfigError(
+                f"checkpoint {path} does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
+            )
         try:
             self.inner_opt.load_state_dict(state["optimizer"])
         except (ValueError, KeyError, RuntimeError) as e:
-            raise ConfigError(f"checkpoint {path}: optimizer state does not match ({e})".splitlines()[0]) from None
+            raise ConfigError(
+                f"checkpoint {path}: optimizer state does not match ({e})".splitlines()[0]
+            ) from None
         self.sched.load_state_dict(tr["scheduler"])
         self.stream.load_state_dict(tr["data"])
         torch.set_rng_state(tr["rng_cpu"])
         if "rng_cuda" in tr and torch.cuda.is_available():
             torch.cuda.set_rng_state(tr["rng_cuda"])
-        self.progress = Progress(step=int(tr["step"]), tokens=int(tr["tokens"]), skipped=int(tr.get("skipped", 0)))
+        self.progress = Progress(
+            step=int(tr["step"]), tokens=int(tr["tokens"]), skipped=int(tr.get("skipped", 0))
+        )
         log.info("resumed from %s at step %d", path, self.progress.step)
 
     # -- eval ---------------------------------------------------------------------------------
@@ -384,7 +441,11 @@ class Trainer:
             from tqdm.auto import tqdm
 
             pbar = tqdm(
-                total=t.max_steps, initial=p.step, desc=cfg.method, dynamic_ncols=True, file=sys.stderr,
+                total=t.max_steps,
+                initial=p.step,
+                desc=cfg.method,
+                dynamic_ncols=True,
+                file=sys.stderr,
                 mininterval=0.5 if sys.stderr.isatty() else 10.0,
             )
         tokens_per_step = t.batch_size * t.grad_accum * self.world * cfg.data.seq_len
@@ -424,21 +485,33 @@ class Trainer:
                         "tokens_per_s": tokens_per_step / max(time.perf_counter() - t0, 1e-9),
                         "peak_memory_bytes": memory.peak_memory_bytes(self.acc.device),
                         "optimizer_state_bytes": optimizers.measured_state_bytes(self.inner_opt),
-                        **self._opt_telemetry(),
+                        **opt_telemetry(self.inner_opt),
                     }
                     self._write(mfile, rec)
                 if t.eval_every and (p.step % t.eval_every == 0 or p.step == t.max_steps):
                     last_val = self.evaluate()
-                    self._write(mfile, {"event": "eval", "step": p.step, "tokens": p.tokens,
-                                        "val_loss": last_val[0], "val_ppl": last_val[1]})
+                    self._write(
+                        mfile,
+                        {
+                            "event": "eval",
+                            "step": p.step,
+                            "tokens": p.tokens,
+                            "val_loss": last_val[0],
+                            "val_ppl": last_val[1],
+                        },
+                    )
                     if self.is_main:
-                        tqdm_write(pbar, f"step {p.step}: val_loss {last_val[0]:.4f}  val_ppl {last_val[1]:.2f}")
+                        tqdm_write(
+                            pbar, f"step {p.step}: val_loss {last_val[0]:.4f}  val_ppl {last_val[1]:.2f}"
+                        )
                 if t.save_every and p.step % t.save_every == 0 and p.step < t.max_steps:
                     self.save()
                 if pbar is not None:
                     pbar.update(1)
                     pbar.set_postfix(
-                        loss=f"{loss:.3f}", ppl=f"{math.exp(min(loss, 50)):.1f}", tok_s=f"{tps:,.0f}",
+                        loss=f"{loss:.3f}",
+                        ppl=f"{math.exp(min(loss, 50)):.1f}",
+                        tok_s=f"{tps:,.0f}",
                         mem=f"{memory.peak_memory_bytes(self.acc.device) / 2**30:.2f}G",
                     )
         finally:
@@ -485,9 +558,17 @@ class Trainer:
         if self.cfg.train.grad_clip > 0:
             gnorm = float(self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip))
         else:
-            gnorm = float(torch.linalg.vector_norm(
-                torch.stack([q.grad.detach().float().norm() for q in self.model.parameters() if q.grad is not None])
-            ))
+            gnorm = float(
+                torch.linalg.vector_norm(
+                    torch.stack(
+                        [
+                            q.grad.detach().float().norm()
+                            for q in self.model.parameters()
+                            if q.grad is not None
+                        ]
+                    )
+                )
+            )
         finite = math.isfinite(loss) and math.isfinite(gnorm)
         if finite:
             self.opt.step()
@@ -501,23 +582,15 @@ class Trainer:
     def _grad_bytes(self) -> int:
         return sum(q.numel() * q.element_size() for q in self.model.parameters() if q.requires_grad)
 
-    def _opt_telemetry(self) -> dict[str, Any]:
-        inner = getattr(self.inner_opt, "optimizer", self.inner_opt)
-        out = {}
-        for o in (self.inner_opt, inner):
-            if hasattr(o, "refresh_count"):
-                out["opt/refreshes"] = int(o.refresh_count)
-                out["opt/refresh_s"] = float(getattr(o, "refresh_seconds", 0.0))
-            if hasattr(o, "restart_count"):
-                out["opt/restarts"] = int(o.restart_count)
-        return out
-
     def _write(self, fh, rec: dict[str, Any]) -> None:
         if fh is not None:
             fh.write(json.dumps(rec) + "\n")
             fh.flush()
         if self.acc.trackers and "step" in rec:
-            self.acc.log({k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "step"}, step=rec["step"])
+            self.acc.log(
+                {k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "step"},
+                step=rec["step"],
+            )
 
     def _summary(self, val, train_time: float, wall: float, grad_bytes: int) -> dict[str, Any]:
         import transformers
@@ -526,7 +599,9 @@ class Trainer:
         params = sum(q.numel() for q in model.parameters())
         trainable = sum(q.numel() for q in model.parameters() if q.requires_grad)
         weight_bytes = sum(v.numel() * v.element_size() for v in model.state_dict().values())
-        est = memory.estimate_from_config(self.cfg, self.tok.vocab_size, self.world, "ddp" if self.world > 1 else "none")
+        est = memory.estimate_from_config(
+            self.cfg, self.tok.vocab_size, self.world, "ddp" if self.world > 1 else "none"
+        )
         measured_state = optimizers.measured_state_bytes(self.inner_opt)
         p = self.progress
         return {
@@ -559,7 +634,7 @@ class Trainer:
             "transformers": transformers.__version__,
             "git_commit": git_commit(),
             "config_hash": config_hash(self.cfg),
-            **self._opt_telemetry(),
+            **opt_telemetry(self.inner_opt),
         }
 
 
@@ -635,6 +710,8 @@ def plot_run(metrics_path: Path, out_png: Path) -> None:
     plt.close(fig)
 
 
-def train(cfg: RunConfig, out_dir: str | Path, resume: str | None = None, allow_config_change: bool = False) -> dict[str, Any]:
+def train(
+    cfg: RunConfig, out_dir: str | Path, resume: str | None = None, allow_config_change: bool = False
+) -> dict[str, Any]:
     """Runs one training job to completion (or to a signal) and returns its summary."""
     return Trainer(cfg, Path(out_dir), resume, allow_config_change).fit()

@@ -23,9 +23,19 @@ ROOT = Path(__file__).resolve().parent.parent
 METHODS = ["adamw", "galore", "fira", "apollo", "lowrank_restarts", "sltrain"]
 RESUME_METHODS = ["galore", "lowrank_restarts"]
 COMMON = [
-    "data.seq_len=32", "data.vocab_size=512", "train.eval_batches=2", "train.max_steps=20",
-    "train.eval_every=20", "train.plot=false", "train.log_every=5", "optim.update_proj_gap=5",
-    "optim.rank=8", "factor.rank=8", "restarts.every=7", "restarts.recovery_steps=3",
+    "data.seq_len=32",
+    "data.vocab_size=512",
+    "train.eval_batches=2",
+    "train.max_steps=20",
+    "train.eval_every=20",
+    "train.plot=false",
+    "train.log_every=5",
+    "optim.update_proj_gap=5",
+    "optim.rank=8",
+    "factor.rank=8",
+    "restarts.every=7",
+    "restarts.recovery_steps=3",
+    "optim.lr=1e-3",
 ]
 
 WORKER = textwrap.dedent(
@@ -70,8 +80,21 @@ def two_process_runs(tmp_path_factory):
     worker = out / "worker.py"
     worker.write_text(WORKER)
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(worker), str(ROOT), str(out), ",".join(METHODS), ",".join(RESUME_METHODS), *COMMON]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(worker),
+        str(ROOT),
+        str(out),
+        ",".join(METHODS),
+        ",".join(RESUME_METHODS),
+        *COMMON,
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
@@ -79,8 +102,10 @@ def two_process_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_ddp_two_processes_equal_one_process_at_same_global_batch(method, two_process_runs, tmp_path):
-    one = train(load_config(ROOT / "recipes" / "tiny" / f"{method}.yaml", COMMON + ["train.batch_size=4"]),
-                tmp_path / "1p")
+    one = train(
+        load_config(ROOT / "recipes" / "tiny" / f"{method}.yaml", COMMON + ["train.batch_size=4"]),
+        tmp_path / "1p",
+    )
     two = json.loads((two_process_runs / f"{method}-2p" / "summary.json").read_text())
     assert two["world_size"] == 2 and one["world_size"] == 1
     assert two["tokens"] == one["tokens"]

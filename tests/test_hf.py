@@ -1,0 +1,429 @@
+"""effpretrain.hf: the optimizer factory and callback inside a real transformers Trainer (CPU).
+
+Claims: create_optimizer builds exactly the trainer's groups and schedule; galore and Low-Rank +
+restarts train under the Trainer; restart events fire right after the configured optimizer
+updates (seen in the optimizer state: step counters and moments zeroed, factor pairs balanced,
+LR ramp), with gradient accumulation, whether the Restarts wrapper or the callback fires them,
+and never twice; logs carry memory and perplexity; a run resumed from a Trainer checkpoint
+repeats the uninterrupted run's losses; the README example runs as written.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+import optimizers
+from effpretrain import hf, memory
+from effpretrain import trainer as trainer_mod
+from effpretrain.models import build_model
+from effpretrain.models.factorized import factor_pairs
+from optimizers.momentum_reset import unwrap_optimizer
+from optimizers.restarts import Restarts, recovery_factor
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "hf_trainer.py"
+SEQ, ROWS, BATCH = 32, 64, 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # Tiny matmuls: one thread is faster than two, and much faster on a shared, busy machine.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def example_run(request, tmp_path_factory):
+    """Starts the README example (examples/hf_trainer.py, 4 steps) in a subprocess when the module
+    starts, so that its interpreter start-up and imports overlap the other tests."""
+    if not any(item.name == "test_readme_example_runs_as_written" for item in request.session.items):
+        yield None
+        return
+    out_dir = tmp_path_factory.mktemp("example")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    with open(out_dir / "stdout", "w") as so, open(out_dir / "stderr", "w") as se:
+        proc = subprocess.Popen(
+            [sys.executable, str(EXAMPLE), "4"], cwd=out_dir, env=env, stdout=so, stderr=se
+        )
+    yield proc, out_dir
+    proc.kill()
+    proc.wait()
+
+
+def tiny_model(seed: int = 0) -> LlamaForCausalLM:
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_hidden_layers=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(cfg)
+    return model
+
+
+def lowrank_model(seed: int = 0) -> LlamaForCausalLM:
+    model = tiny_model(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)
+        hf.apply_factorization(model, "lowrank", rank=8, alpha=8.0)
+    return model
+
+
+def rows() -> list[dict[str, torch.Tensor]]:
+    """Counting sequences (x, x+1, ...) mod 256 from random starts: learnable in a few steps."""
+    g = torch.Generator().manual_seed(0)
+    starts = torch.randint(0, 256, (ROWS, 1), generator=g)
+    ids = (starts + torch.arange(SEQ)) % 256
+    return [{"input_ids": r, "labels": r.clone()} for r in ids]
+
+
+class Probe(TrainerCallback):
+    """Records, per optimizer update, the LR it used and the state right after it (and any restart)."""
+
+    def __init__(self, param: torch.Tensor, pair: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.param, self.pair = param, pair
+        self.lr: dict[int, float] = {}
+        self.step: dict[int, int] = {}
+        self.exp_avg_norm: dict[int, float] = {}
+        self.balanced: dict[int, bool] = {}
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kw):
+        self.lr[state.global_step + 1] = optimizer.param_groups[0]["lr"]
+
+    def on_step_end(self, args, state, control, optimizer=None, **kw):
+        st = unwrap_optimizer(optimizer).state[self.param]
+        n = state.global_step
+        self.step[n] = int(st["step"])
+        self.exp_avg_norm[n] = float(st["exp_avg"].norm())
+        if self.pair is not None:
+            B, A = (t.detach().double() for t in self.pair)
+            btb, aat = B.T @ B, A @ A.T
+            off = btb - torch.diag(torch.diagonal(btb))
+            scale = float(btb.abs().max())
+            # fp32 refactorization leaves ~1e-6 relative imbalance; one Adam step at even 0.1% of
+            # the LR leaves more than 5e-6 on these shapes.
+            self.balanced[n] = max(float((btb - aat).abs().max()), float(off.abs().max())) < 3e-6 * scale
+
+
+def make_trainer(out, model, *, max_steps, opt=None, callbacks=(), ga=1, save_steps=0, eval_rows=0, lr=1e-2):
+    args = TrainingArguments(
+        output_dir=str(out),
+        use_cpu=True,
+        report_to=[],
+        max_steps=max_steps,
+        per_device_train_batch_size=BATCH,
+        per_device_eval_batch_size=16,
+        gradient_accumulation_steps=ga,
+        logging_steps=1,
+        disable_tqdm=True,
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
+        seed=0,
+        learning_rate=lr,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+    )
+    data = rows()
+    return Trainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        eval_dataset=data[:eval_rows] if eval_rows else None,
+        optimizers=opt if opt is not None else (None, None),
+        callbacks=list(callbacks),
+    )
+
+
+def losses(trainer: Trainer) -> dict[int, float]:
+    return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+
+def q_proj_B(model):
+    return model.model.layers[0].self_attn.q_proj.B
+
+
+def q_proj_pair(model):
+    layer = model.model.layers[0].self_attn.q_proj
+    return layer.B, layer.A
+
+
+# ----------------------------------------------------------------------------------------------
+# The factory
+
+
+def test_create_optimizer_uses_the_trainers_groups_and_schedule():
+    model = tiny_model()
+    opt, sched = hf.create_optimizer(
+        model, "galore", num_training_steps=40, lr=3e-3, rank=8, weight_decay=0.1
+    )
+    cfg = hf.build_run_config(model, "galore", num_training_steps=40, lr=3e-3, rank=8, weight_decay=0.1)
+    ref = trainer_mod.build_param_groups(model, cfg)
+    assert [[id(p) for p in g["params"]] for g in opt.param_groups] == [
+        [id(p) for p in g["params"]] for g in ref
+    ]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.1, 0.0]
+    assert opt.param_groups[0]["rank"] == 8 and opt.param_groups[0]["project"]
+    assert type(opt).__name__ == "GaLoreAdamW"
+    for s in range(41):
+        assert sched.lr_lambdas[0](s) == trainer_mod.lr_factor(s, cfg)
+    assert (
+        hf.apply_factorization
+        is __import__("effpretrain.models.factorized", fromlist=["x"]).apply_factorization
+    )
+
+
+def test_create_optimizer_rejects_unknown_method_naming_the_choices():
+    with pytest.raises(ValueError, match=r"adamw.*galore"):
+        hf.create_optimizer(tiny_model(), "sgd_fancy", num_training_steps=10, lr=1e-3)
+
+
+def test_restarts_give_the_wrapper_over_the_models_factor_pairs():
+    model = lowrank_model()
+    opt, _ = hf.create_optimizer(model, "adamw", num_training_steps=10, lr=1e-3, restarts_every=5)
+    assert isinstance(opt, Restarts) and opt.every == 5 and opt.refactorize and opt.reset_momentum
+    assert [tuple(map(id, p)) for p in opt.factor_pairs()] == [tuple(map(id, p)) for p in factor_pairs(model)]
+    plain, _ = hf.create_optimizer(lowrank_model(), "adamw", num_training_steps=10, lr=1e-3)
+    assert not isinstance(plain, Restarts)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training, logs, events
+
+
+def test_galore_trains_and_logs_memory_and_perplexity(tmp_path):
+    model = tiny_model()
+    opt = hf.create_optimizer(model, "galore", num_training_steps=20, lr=1e-2, rank=8, update_proj_gap=10)
+    cb = hf.EffPretrainCallback()
+    tr = make_trainer(tmp_path, model, max_steps=20, opt=opt, callbacks=[cb], eval_rows=16)
+    tr.train()
+    loss = losses(tr)
+    assert sum(loss[s] for s in (18, 19, 20)) < sum(loss[s] for s in (1, 2, 3)) - 0.3
+    train_logs = [h for h in tr.state.log_history if "loss" in h]
+    for h in train_logs:
+        assert h["ppl"] == pytest.approx(math.exp(h["loss"]))
+        assert h["optimizer_state_bytes"] > 0 and h["peak_memory_bytes"] > 0
+        assert h["opt/refreshes"] >= 1
+    # The analytic estimate (from the actual parameters here: no preset has these shapes) is the
+    # exact state size the optimizer holds.
+    first = train_logs[0]
+    assert cb.estimate.detail["source"] == "parameters"
+    assert first["est_optimizer_state_bytes"] == first["optimizer_state_bytes"]
+    assert first["est_weights_bytes"] == sum(p.numel() * 4 for p in model.parameters())
+    summary = tr.state.log_history[-1]
+    assert "train_loss" in summary and summary["train_ppl"] == pytest.approx(math.exp(summary["train_loss"]))
+    assert "est_total_bytes" in summary
+    metrics = tr.evaluate()
+    assert metrics["eval_ppl"] == pytest.approx(math.exp(metrics["eval_loss"]))
+    assert tr.state.log_history[-1]["eval_ppl"] == metrics["eval_ppl"]
+
+
+EVERY, RECOVERY, STEPS = 5, 3, 15
+
+
+@pytest.fixture(scope="module")
+def wrapper_run(tmp_path_factory):
+    """Low-Rank + restarts from create_optimizer (the Restarts wrapper), gradient accumulation 2."""
+    model = lowrank_model()
+    opt = hf.create_optimizer(
+        model, "adamw", num_training_steps=STEPS, lr=1e-2, restarts_every=EVERY, recovery_steps=RECOVERY
+    )
+    cb = hf.EffPretrainCallback(restarts_every=EVERY)  # same period: must not fire a second time
+    probe = Probe(q_proj_B(model), q_proj_pair(model))
+    tr = make_trainer(
+        tmp_path_factory.mktemp("wrapper"), model, max_steps=STEPS, opt=opt, callbacks=[cb, probe], ga=2
+    )
+    tr.train()
+    cfg = hf.build_run_config(
+        model, "adamw", num_training_steps=STEPS, lr=1e-2, restarts_every=EVERY, recovery_steps=RECOVERY
+    )
+    return tr, cb, probe, cfg
+
+
+def _check_events(probe: Probe, cfg, every: int, steps: int) -> None:
+    boundaries = [n for n in range(1, steps + 1) if n % every == 0]
+    # Right after update k T the Adam state is fresh (step 0, zero moments), and only then.
+    assert probe.step == {n: n % every for n in range(1, steps + 1)}
+    assert [n for n, v in probe.exp_avg_norm.items() if v == 0.0] == boundaries
+    # ... and the factor pair was re-split into its balanced form (B^T B = A A^T diagonal).
+    assert [n for n, b in probe.balanced.items() if b] == boundaries
+    # The LR of update n is lr * lr_factor(n - 1): the ramp restarts after each boundary.
+    for n, lr in probe.lr.items():
+        assert lr == pytest.approx(cfg.optim.lr * trainer_mod.lr_factor(n - 1, cfg), rel=1e-9, abs=1e-15)
+    assert probe.lr[every + 1] < 1e-3 * probe.lr[every]
+
+
+def test_lowrank_restarts_train_and_fire_exactly_at_the_boundaries(wrapper_run):
+    tr, cb, probe, cfg = wrapper_run
+    loss = losses(tr)
+    assert sum(loss[s] for s in (STEPS - 2, STEPS - 1, STEPS)) < sum(loss[s] for s in (1, 2, 3)) - 0.3
+    _check_events(probe, cfg, EVERY, STEPS)
+    wrapper = hf._find_restarts(tr.optimizer)
+    assert wrapper.num_steps == STEPS and wrapper.num_restarts == STEPS // EVERY
+    assert cb.num_restarts == 0  # the wrapper fired them, the callback did not
+    assert tr.state.log_history[-1]["opt/restarts"] == STEPS // EVERY
+
+
+def test_callback_fires_the_same_events_as_the_wrapper(wrapper_run, tmp_path):
+    ref, _, _, cfg = wrapper_run
+    model = lowrank_model()
+    opt = hf.create_optimizer(model, "adamw", num_training_steps=STEPS, lr=1e-2)  # no restarts in it
+    cb = hf.EffPretrainCallback(restarts_every=EVERY, recovery_steps=RECOVERY)
+    probe = Probe(q_proj_B(model), q_proj_pair(model))
+    tr = make_trainer(tmp_path, model, max_steps=STEPS, opt=opt, callbacks=[cb, probe], ga=2)
+    tr.train()
+    _check_events(probe, cfg, EVERY, STEPS)
+    assert cb.num_updates == STEPS and cb.num_restarts == STEPS // EVERY
+    a, b = losses(ref), losses(tr)
+    assert a.keys() == b.keys()
+    for s in a:
+        assert b[s] == pytest.approx(a[s], rel=1e-6, abs=1e-6)
+    # The logged LR is the one used, ramp included.
+    for h in tr.state.log_history:
+        if "learning_rate" in h:
+            assert h["learning_rate"] == pytest.approx(probe.lr[h["step"]])
+
+
+def test_callback_restarts_the_trainers_own_optimizer(tmp_path):
+    model = tiny_model()
+    cb = hf.EffPretrainCallback(restarts_every=3, recovery_steps=2)
+    probe = Probe(model.model.layers[0].self_attn.q_proj.weight)
+    tr = make_trainer(tmp_path, model, max_steps=7, callbacks=[cb, probe], ga=2)
+    tr.train()
+    assert type(unwrap_optimizer(tr.optimizer)).__name__ == "AdamW"
+    assert probe.step == {n: n % 3 for n in range(1, 8)}
+    assert [n for n, v in probe.exp_avg_norm.items() if v == 0.0] == [3, 6]
+    # lr_scheduler_type="linear" from lr: the ramp multiplies the Trainer's own schedule.
+    for n in (4, 5):
+        sched = 1e-2 * (1 - (n - 1) / 7)
+        assert probe.lr[n] == pytest.approx(sched * recovery_factor(n - 1, 3, 2))
+    assert probe.lr[6] == pytest.approx(1e-2 * (1 - 5 / 7))
+
+
+def test_callback_refuses_a_second_restart_period(tmp_path):
+    model = lowrank_model()
+    opt = hf.create_optimizer(model, "adamw", num_training_steps=4, lr=1e-2, restarts_every=2)
+    tr = make_trainer(
+        tmp_path, model, max_steps=4, opt=opt, callbacks=[hf.EffPretrainCallback(restarts_every=3)]
+    )
+    with pytest.raises(ValueError, match="restarts every 2"):
+        tr.train()
+
+
+# ----------------------------------------------------------------------------------------------
+# Resume through the Trainer's own checkpoints
+
+
+# Split at update 4 of 8: restarts every 3 (one before the split, one after), the LR ramp of R = 2
+# still running at the split; GaLore refreshes its bases every 3 updates (at 1, 4, 7).
+N, SPLIT = 8, 4
+
+
+def _resume_case(case: str, seed: int = 0):
+    if case == "galore":
+        model = tiny_model(seed)
+        opt = hf.create_optimizer(model, "galore", num_training_steps=N, lr=1e-2, rank=8, update_proj_gap=3)
+        return model, opt, [hf.EffPretrainCallback()]
+    model = lowrank_model(seed)
+    if case == "lowrank_restarts":
+        opt = hf.create_optimizer(
+            model, "adamw", num_training_steps=N, lr=1e-2, restarts_every=3, recovery_steps=2
+        )
+        return model, opt, [hf.EffPretrainCallback()]
+    opt = hf.create_optimizer(model, "adamw", num_training_steps=N, lr=1e-2)
+    return model, opt, [hf.EffPretrainCallback(restarts_every=3, recovery_steps=2)]
+
+
+@pytest.mark.parametrize("case", ["galore", "lowrank_restarts", "callback_restarts"])
+def test_resume_from_trainer_checkpoint_repeats_the_straight_run(case, tmp_path):
+    model, opt, cbs = _resume_case(case)
+    straight = make_trainer(
+        tmp_path / "a", model, max_steps=N, opt=opt, callbacks=cbs, ga=2, save_steps=SPLIT
+    )
+    straight.train()
+    ckpt = tmp_path / "a" / f"checkpoint-{SPLIT}"
+    assert (ckpt / "optimizer.pt").is_file() and (ckpt / "scheduler.pt").is_file()
+    if case == "callback_restarts":  # the ramp was scaling the LR when the checkpoint was written
+        assert '"scheduled_lrs": [' in (ckpt / "trainer_state.json").read_text()
+
+    # A fresh process would build a different init: the checkpoint must overwrite all of it.
+    model, opt, cbs = _resume_case(case, seed=1)
+    resumed = make_trainer(tmp_path / "b", model, max_steps=N, opt=opt, callbacks=cbs, ga=2, save_steps=SPLIT)
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    # The history holds steps 1..SPLIT from the checkpoint's trainer_state.json, the rest from this run.
+    a, b = losses(straight), {s: v for s, v in losses(resumed).items() if s > SPLIT}
+    assert sorted(b) == list(range(SPLIT + 1, N + 1))
+    assert b == {s: a[s] for s in b}  # bitwise: weights, optimizer state, schedule, data order
+    # The LambdaLR was restored with the checkpoint (same position in the schedule).
+    assert resumed.lr_scheduler.last_epoch == straight.lr_scheduler.last_epoch == N
+    wrapper = hf._find_restarts(resumed.optimizer)
+    if wrapper is not None:
+        assert (wrapper.num_steps, wrapper.num_restarts) == (N, 2)
+    if case == "callback_restarts":
+        assert (cbs[0].num_updates, cbs[0].num_restarts) == (N, 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory estimate for a preset-shaped model
+
+
+@pytest.mark.parametrize("method", ["adamw", "galore"])
+def test_estimate_for_a_preset_model_is_effpretrains_and_matches_measured(method):
+    model = build_model("tiny", vocab_size=256, max_positions=SEQ)
+    opt, _ = hf.create_optimizer(model, method, num_training_steps=4, lr=1e-3, rank=16)
+    est = hf.estimate_memory(model, opt, batch_size=BATCH, seq_len=SEQ)
+    assert est.detail["source"] == "preset:tiny"
+    cfg = hf.build_run_config(model, method, num_training_steps=4, lr=1e-3, rank=16)
+    cfg.train.batch_size, cfg.data.seq_len = BATCH, SEQ
+    assert est.as_dict() == {**memory.estimate_from_config(cfg, 256).as_dict(), "source": "preset:tiny"}
+    x = torch.randint(0, 256, (2, SEQ))
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    assert est.optimizer_state == optimizers.measured_state_bytes(opt)
+    assert est.weights == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert est.activations > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# The README example
+
+
+def test_readme_example_runs_as_written(example_run):
+    proc, out_dir = example_run
+    try:
+        proc.wait(timeout=300)
+    finally:
+        proc.kill()
+    stdout, stderr = (out_dir / "stdout").read_text(), (out_dir / "stderr").read_text()
+    assert proc.returncode == 0, stderr[-3000:]
+    m = re.search(r"eval_loss ([\d.]+) +eval_ppl ([\d.]+)", stdout)
+    assert m, stdout[-2000:]
+    assert float(m.group(2)) == pytest.approx(math.exp(float(m.group(1))), rel=1e-2)
+    assert (out_dir / "runs" / "hf-lowrank").is_dir()
+
+
+def test_readme_shows_the_example_verbatim():
+    readme = (ROOT / "README.md").read_text()
+    assert "examples/hf_trainer.py" in readme, "README has no HuggingFace Trainer section"
+    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    assert EXAMPLE.read_text() in blocks, (
+        "the README's Trainer example must be examples/hf_trainer.py verbatim"
+    )
