@@ -30,16 +30,28 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train from a recipe (default: the tiny AdamW recipe, built-in corpus)")
     t.add_argument("recipe", nargs="?", help="recipe YAML; omitted: the default recipe")
     t.add_argument("--out", help="run directory (default: runs/<method>-<preset>)")
-    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set optim.lr=3e-4 (repeatable)")
+    t.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set optim.lr=3e-4 (repeatable)",
+    )
     t.add_argument("--resume", metavar="DIR|auto", help="resume from a checkpoint/run dir, or 'auto'")
-    t.add_argument("--allow-config-change", action="store_true",
-                   help="resume even if model/method/batch/data differ from the checkpoint's")
+    t.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="resume even if model/method/batch/data differ from the checkpoint's",
+    )
 
     e = sub.add_parser("estimate", help="analytic memory breakdown (no model is built)")
     e.add_argument("--model", required=True, help="preset, e.g. llama_1b")
-    e.add_argument("--method", default="adamw",
-                   help="optimizer (adamw, galore, ...) or factorization (lowrank, lora, relora, sltrain)")
+    e.add_argument(
+        "--method",
+        default="adamw",
+        help="optimizer (adamw, galore, ...) or factorization (lowrank, lora, relora, sltrain)",
+    )
     e.add_argument("--rank", type=int, default=None, help="projection / factor rank")
     e.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "bf16-mixed"])
     e.add_argument("--vocab-size", type=int, default=None)
@@ -49,6 +61,10 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--world-size", type=int, default=1)
     e.add_argument("--sharding", default="none", choices=["none", "ddp", "fsdp2"])
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    x = sub.add_parser("export", help="merge factorized layers and write a HuggingFace model folder")
+    x.add_argument("run", help="run directory (newest complete checkpoint) or a checkpoint folder")
+    x.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
 
     v = sub.add_parser("eval", help="validation loss/perplexity of a checkpoint")
     v.add_argument("checkpoint", help="checkpoint folder or run directory")
@@ -121,10 +137,18 @@ def cmd_estimate(args) -> int:
         raise ConfigError(f"--world-size must be > 0, got {args.world_size}")
     sharding = args.sharding if args.sharding != "none" or args.world_size == 1 else "ddp"
     est = estimate(
-        args.model, method, dtype=args.dtype, vocab_size=args.vocab_size,
-        optim_cfg=OptimConfig(name=method, rank=rank), factor_kind=factor, factor_rank=rank,
-        batch_size=args.batch_size, seq_len=args.seq_len, activation_checkpointing=args.activation_checkpointing,
-        world_size=args.world_size, sharding=sharding,
+        args.model,
+        method,
+        dtype=args.dtype,
+        vocab_size=args.vocab_size,
+        optim_cfg=OptimConfig(name=method, rank=rank),
+        factor_kind=factor,
+        factor_rank=rank,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        activation_checkpointing=args.activation_checkpointing,
+        world_size=args.world_size,
+        sharding=sharding,
     )
     if factor != "none":
         est.detail["method"] = args.method
@@ -140,14 +164,30 @@ def cmd_eval(args) -> int:
     from effpretrain.config import apply_overrides, from_dict, validate
     from effpretrain.trainer import Trainer
 
-    path = find_resume(Path(args.checkpoint), "auto") if (Path(args.checkpoint) / "checkpoints").is_dir() else None
+    path = (
+        find_resume(Path(args.checkpoint), "auto")
+        if (Path(args.checkpoint) / "checkpoints").is_dir()
+        else None
+    )
     path = path or Path(args.checkpoint)
     state = load_checkpoint(path)
-    cfg = validate(apply_overrides(from_dict(state["trainer"]["config"], str(path)), args.overrides), str(path))
+    cfg = validate(
+        apply_overrides(from_dict(state["trainer"]["config"], str(path)), args.overrides), str(path)
+    )
     tmp_out = path.parent.parent
     trainer = Trainer(cfg, tmp_out, resume=str(path), allow_config_change=True)
     loss, ppl = trainer.evaluate()
-    print(json.dumps({"checkpoint": str(path), "step": trainer.progress.step, "val_loss": loss, "val_ppl": ppl}))
+    print(
+        json.dumps({"checkpoint": str(path), "step": trainer.progress.step, "val_loss": loss, "val_ppl": ppl})
+    )
+    return 0
+
+
+def cmd_export(args) -> int:
+    from effpretrain.export import export
+
+    out = export(args.run, args.out)
+    print(f"exported to {out}")
     return 0
 
 
@@ -157,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     args = _parser().parse_args(argv)
     try:
-        return {"train": cmd_train, "estimate": cmd_estimate, "eval": cmd_eval}[args.cmd](args)
+        return {"train": cmd_train, "estimate": cmd_estimate, "eval": cmd_eval, "export": cmd_export}[args.cmd](args)
     except ConfigError as e:
         print(f"effpretrain: error: {e}", file=sys.stderr)
         return 2

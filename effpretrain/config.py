@@ -155,15 +155,36 @@ _CHOICES = {
     "dist.sharding": ("ddp", "fsdp2"),
 }
 _POSITIVE = [
-    "factor.rank", "factor.alpha", "optim.lr", "optim.eps", "optim.rank", "optim.update_proj_gap",
-    "optim.scale", "data.seq_len", "data.vocab_size", "data.val_every", "train.max_steps",
-    "train.batch_size", "train.grad_accum", "train.eval_batches", "train.log_every",
-    "train.keep_checkpoints", "train.max_consecutive_skips",
+    "factor.rank",
+    "factor.alpha",
+    "optim.lr",
+    "optim.eps",
+    "optim.rank",
+    "optim.update_proj_gap",
+    "optim.scale",
+    "data.seq_len",
+    "data.vocab_size",
+    "data.val_every",
+    "train.max_steps",
+    "train.batch_size",
+    "train.grad_accum",
+    "train.eval_batches",
+    "train.log_every",
+    "train.keep_checkpoints",
+    "train.max_consecutive_skips",
 ]
 _NON_NEGATIVE = [
-    "model.max_position_embeddings", "optim.weight_decay", "train.grad_clip", "train.eval_every",
-    "train.save_every", "train.activation_checkpointing", "restarts.every", "restarts.recovery_steps",
-    "train.seed", "factor.seed", "data.shuffle_seed",
+    "model.max_position_embeddings",
+    "optim.weight_decay",
+    "train.grad_clip",
+    "train.eval_every",
+    "train.save_every",
+    "train.activation_checkpointing",
+    "restarts.every",
+    "restarts.recovery_steps",
+    "train.seed",
+    "factor.seed",
+    "data.shuffle_seed",
 ]
 _UNIT = ["optim.beta1", "optim.beta2", "train.warmup_ratio", "train.min_lr_ratio", "factor.density"]
 

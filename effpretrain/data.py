@@ -133,7 +133,9 @@ def file_documents(path: str, field: str = "text") -> list[str]:
             raise ConfigError(f"data.path {path}: no .txt, .jsonl or .parquet files in this folder")
     else:
         if p.suffix not in _READERS:
-            raise ConfigError(f"data.path {path}: unsupported file type {p.suffix!r} (use .txt, .jsonl, .parquet)")
+            raise ConfigError(
+                f"data.path {path}: unsupported file type {p.suffix!r} (use .txt, .jsonl, .parquet)"
+            )
         files = [p]
     docs: list[str] = []
     for f in files:
@@ -296,12 +298,16 @@ def load_tokenizer(cfg: DataConfig, corpus: Corpus | HubCorpus) -> Tokenizer:
     """`builtin-bpe` (trained on the training documents, cached by corpus hash) or any HF name/path."""
     if cfg.tokenizer == "builtin-bpe":
         if isinstance(corpus, HubCorpus):
-            raise ConfigError("data.tokenizer=builtin-bpe needs an in-memory corpus; use a HF tokenizer for hub data")
+            raise ConfigError(
+                "data.tokenizer=builtin-bpe needs an in-memory corpus; use a HF tokenizer for hub data"
+            )
         from tokenizers import Tokenizer as HFTokenizer
 
         path = cache_dir() / "tokenizers" / f"bpe-{corpus.fingerprint()}-{cfg.vocab_size}.json"
         if not path.is_file():
-            log.info("training a %d-token byte-level BPE on %s (cached at %s)", cfg.vocab_size, corpus.name, path)
+            log.info(
+                "training a %d-token byte-level BPE on %s (cached at %s)", cfg.vocab_size, corpus.name, path
+            )
             train_bpe(corpus.train, cfg.vocab_size, path)
         tok = HFTokenizer.from_file(str(path))
         eos, pad = tok.token_to_id(EOS_TOKEN), tok.token_to_id(PAD_TOKEN)
@@ -343,7 +349,12 @@ class TokenStream:
 
     def __init__(self, corpus, tok: Tokenizer, seq_len: int, mode: str, seed: int, chunk: int = 32):
         self.corpus, self.tok, self.seq_len, self.mode, self.seed, self.chunk = (
-            corpus, tok, seq_len, mode, seed, chunk,
+            corpus,
+            tok,
+            seq_len,
+            mode,
+            seed,
+            chunk,
         )
         self.epoch, self.cursor = 0, 0
         self.pending: list[list[int]] = []  # truncate: tokenized docs not yet emitted
@@ -380,7 +391,13 @@ class TokenStream:
     def restore(self, snap: tuple) -> None:
         epoch, cursor, buffer, pending, order = snap
         hub_stale = self.corpus.streaming and (epoch, cursor) != (self.epoch, self.cursor)
-        self.epoch, self.cursor, self.buffer, self.pending, self._order = epoch, cursor, buffer, pending, order
+        self.epoch, self.cursor, self.buffer, self.pending, self._order = (
+            epoch,
+            cursor,
+            buffer,
+            pending,
+            order,
+        )
         if hub_stale:
             self._hub_iter = None
 
@@ -459,7 +476,12 @@ class Batches:
     """Global optimizer-step batches from a TokenStream, sliced for one rank."""
 
     def __init__(
-        self, stream: TokenStream, batch_size: int, grad_accum: int, rank: int = 0, world: int = 1,
+        self,
+        stream: TokenStream,
+        batch_size: int,
+        grad_accum: int,
+        rank: int = 0,
+        world: int = 1,
         vocab_size: int | None = None,
     ):
         self.stream, self.B, self.K, self.rank, self.world = stream, batch_size, grad_accum, rank, world

@@ -34,7 +34,12 @@ import optimizers
 from effpretrain.config import ATTN_MLP_TARGETS
 from effpretrain.models.llama import PRESETS
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "bf16-mixed": torch.float32, "bf16-pure": torch.bfloat16}
+DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bf16-mixed": torch.float32,
+    "bf16-pure": torch.bfloat16,
+}
 FACTOR_KINDS = ("lowrank", "lora", "relora", "sltrain")
 
 
@@ -277,7 +282,8 @@ def format_table(est: Estimate) -> str:
     ]
     d = est.detail
     head = (
-        f"{d['preset']} / {d['method']}" + (f" + {d['factor']}" if d["factor"] != "none" else "")
+        f"{d['preset']} / {d['method']}"
+        + (f" + {d['factor']}" if d["factor"] != "none" else "")
         + f" / {d['dtype']} / world {d['world_size']} ({d['sharding']}), per rank"
     )
     lines = [head, f"  params {est.params:,}  trainable {est.trainable_params:,}"]

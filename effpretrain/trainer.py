@@ -132,6 +132,26 @@ def optimizer_kwargs(cfg: RunConfig) -> dict[str, Any]:
     return kw
 
 
+def build_run_model(cfg: RunConfig, vocab_size: int) -> tuple[torch.nn.Module, dict[str, Any] | None]:
+    """The fp32 model a run trains: the preset, seeded, plus factorization surgery if configured."""
+    max_pos = cfg.model.max_position_embeddings or cfg.data.seq_len
+    if cfg.data.seq_len > max_pos:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_position_embeddings={max_pos}")
+    model = build_model(cfg.model.preset, vocab_size, max_pos, seed=cfg.train.seed)
+    report = None
+    if cfg.factor.kind != "none":
+        from effpretrain.models import apply_factorization
+
+        try:
+            report = apply_factorization(
+                model, cfg.factor.kind, cfg.factor.rank, cfg.factor.alpha,
+                targets=tuple(cfg.factor.targets), density=cfg.factor.density, seed=cfg.factor.seed,
+            )
+        except ValueError as e:
+            raise ConfigError(f"factor: {e}") from None
+    return model, report
+
+
 def wrap_restarts(
     opt: torch.optim.Optimizer, model: torch.nn.Module, cfg: RunConfig
 ) -> torch.optim.Optimizer:
@@ -259,28 +279,7 @@ class Trainer:
         self.val = data_mod.validation_rows(self.corpus, self.tok, cfg.data.seq_len, cfg.data.mode, n_val)
 
         # Model
-        max_pos = cfg.model.max_position_embeddings or cfg.data.seq_len
-        if cfg.data.seq_len > max_pos:
-            raise ConfigError(
-                f"data.seq_len={cfg.data.seq_len} exceeds model.max_position_embeddings={max_pos}"
-            )
-        model = build_model(cfg.model.preset, self.tok.vocab_size, max_pos, seed=t.seed)
-        self.factor_report = None
-        if cfg.factor.kind != "none":
-            from effpretrain.models import apply_factorization
-
-            try:
-                self.factor_report = apply_factorization(
-                    model,
-                    cfg.factor.kind,
-                    cfg.factor.rank,
-                    cfg.factor.alpha,
-                    targets=tuple(cfg.factor.targets),
-                    density=cfg.factor.density,
-                    seed=cfg.factor.seed,
-                )
-            except ValueError as e:
-                raise ConfigError(f"factor: {e}") from None
+        model, self.factor_report = build_run_model(cfg, self.tok.vocab_size)
         set_activation_checkpointing(model, t.activation_checkpointing)
         if t.precision == "bf16-pure":
             model = model.to(torch.bfloat16)

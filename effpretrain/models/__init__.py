@@ -13,7 +13,13 @@ from effpretrain.models.factorized import (
     merge_factorized_,
     relora_merge_,
 )
-from effpretrain.models.llama import PRESETS, Preset, build_llama_config, build_model, set_activation_checkpointing
+from effpretrain.models.llama import (
+    PRESETS,
+    Preset,
+    build_llama_config,
+    build_model,
+    set_activation_checkpointing,
+)
 
 __all__ = [
     "FACTORIZED_KINDS",
