@@ -17,7 +17,6 @@ import torch
 from safetensors.torch import load_file
 
 from effpretrain.config import load_config
-from effpretrain.trainer import train
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ["adamw", "galore", "fira", "apollo", "lowrank_restarts", "sltrain"]
@@ -45,15 +44,21 @@ WORKER = textwrap.dedent(
     from effpretrain.config import load_config
     from effpretrain.trainer import train
 
-    root, out = Path(sys.argv[1]), Path(sys.argv[2])
-    methods, resume_methods, common = sys.argv[3].split(","), sys.argv[4].split(","), sys.argv[5:]
+    root, out, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    methods, resume_methods, common = sys.argv[4].split(","), sys.argv[5].split(","), sys.argv[6:]
+    recipe = lambda m: root / "recipes" / "tiny" / f"{m}.yaml"
+    if mode == "one":
+        # The same global batch of 4 rows as 2 micro-batches of 2 (one per rank in the DDP run).
+        for m in methods:
+            over = common + ["train.batch_size=2", "train.grad_accum=2", "train.eval_batches=4"]
+            train(load_config(recipe(m), over), out / f"{m}-1p")
+        sys.exit(0)
     for m in methods:
-        train(load_config(root / "recipes" / "tiny" / f"{m}.yaml", common + ["train.batch_size=2"]), out / f"{m}-2p")
+        train(load_config(recipe(m), common + ["train.batch_size=2"]), out / f"{m}-2p")
     for m in resume_methods:
         over = common + ["train.batch_size=2", "train.save_every=10"]
-        recipe = root / "recipes" / "tiny" / f"{m}.yaml"
-        train(load_config(recipe, over), out / f"{m}-straight")
-        train(load_config(recipe, over), out / f"{m}-split",
+        train(load_config(recipe(m), over), out / f"{m}-straight")
+        train(load_config(recipe(m), over), out / f"{m}-split",
               resume=str(out / f"{m}-straight" / "checkpoints" / "step-10"))
     """
 )
@@ -75,58 +80,71 @@ def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 @pytest.fixture(scope="module")
-def two_process_runs(tmp_path_factory):
+def runs(tmp_path_factory):
+    """The 2-process DDP runs (torchrun, gloo) and the 1-process reference runs, side by side.
+
+    Both run with one thread per process (torchrun's default, OMP_NUM_THREADS=1) and the reference
+    splits its global batch of 4 into the same 2 micro-batches of 2 that the ranks see. Then every
+    floating-point operation matches DDP's (the x2 loss scalings are exact and a two-operand
+    all-reduce sum is commutative): SVD-based methods amplify any rounding difference, so this is
+    what makes a 1e-5 agreement meaningful rather than lucky.
+    """
     out = tmp_path_factory.mktemp("dist")
     worker = out / "worker.py"
     worker.write_text(WORKER)
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        str(worker),
-        str(ROOT),
-        str(out),
-        ",".join(METHODS),
-        ",".join(RESUME_METHODS),
-        *COMMON,
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    )
+    args = [str(ROOT), str(out)]
+    tail = [",".join(METHODS), ",".join(RESUME_METHODS), *COMMON]
+    two = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            str(worker),
+            *args,
+            "two",
+            *tail,
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    one = subprocess.Popen(
+        [sys.executable, str(worker), *args, "one", *tail],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for proc in (two, one):
+        _, err = proc.communicate(timeout=1200)
+        assert proc.returncode == 0, err[-4000:]
     return out
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_ddp_two_processes_equal_one_process_at_same_global_batch(method, two_process_runs, tmp_path):
-    # The same global batch of 4 rows as 2 micro-batches of 2 (one per rank in the DDP run), on one
-    # thread like torchrun's workers: then every floating-point operation matches DDP's (x2 scalings
-    # are exact, and a two-operand all-reduce sum is commutative), which is what lets the
-    # SVD-based methods agree; a batch of 4 in one micro-batch differs in rounding at ~1e-7, which
-    # Adam and basis refreshes amplify. eval_batches doubles so both evaluate the same 8 rows.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        over = COMMON + ["train.batch_size=2", "train.grad_accum=2", "train.eval_batches=4"]
-        one = train(load_config(ROOT / "recipes" / "tiny" / f"{method}.yaml", over), tmp_path / "1p")
-    finally:
-        torch.set_num_threads(threads)
-    two = json.loads((two_process_runs / f"{method}-2p" / "summary.json").read_text())
+def test_ddp_two_processes_equal_one_process_at_same_global_batch(method, runs):
+    one = json.loads((runs / f"{method}-1p" / "summary.json").read_text())
+    two = json.loads((runs / f"{method}-2p" / "summary.json").read_text())
     assert two["world_size"] == 2 and one["world_size"] == 1
     assert two["tokens"] == one["tokens"]
     assert abs(two["final_val_loss"] - one["final_val_loss"]) <= 1e-5 * abs(one["final_val_loss"])
-    assert rel_diff(final(two_process_runs / f"{method}-2p"), final(tmp_path / "1p")) <= 1e-5
+    assert rel_diff(final(runs / f"{method}-2p"), final(runs / f"{method}-1p")) <= 1e-5
 
 
 @pytest.mark.parametrize("method", RESUME_METHODS)
-def test_resume_under_two_processes_is_exact(method, two_process_runs):
-    a, b = final(two_process_runs / f"{method}-straight"), final(two_process_runs / f"{method}-split")
+def test_resume_under_two_processes_is_exact(method, runs):
+    a, b = final(runs / f"{method}-straight"), final(runs / f"{method}-split")
     assert all(torch.equal(a[k], b[k]) for k in a)
-    sa = json.loads((two_process_runs / f"{method}-straight" / "summary.json").read_text())
-    sb = json.loads((two_process_runs / f"{method}-split" / "summary.json").read_text())
+    sa = json.loads((runs / f"{method}-straight" / "summary.json").read_text())
+    sb = json.loads((runs / f"{method}-split" / "summary.json").read_text())
     assert sa["final_val_loss"] == sb["final_val_loss"]
 
 
