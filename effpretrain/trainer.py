@@ -194,10 +194,18 @@ def opt_telemetry(opt: torch.optim.Optimizer) -> dict[str, Any]:
 # Loss
 
 
-def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """Sum of next-token cross-entropies over the batch's targets (fp32), and their count."""
+def token_loss_sum(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], packed: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of next-token cross-entropies over the batch's targets (fp32), and their count (a tensor,
+    so that no device sync is forced).
+
+    `packed` (every position real) lets SDPA take its causal fast path without a mask; None
+    checks the mask, which costs a device sync on GPU."""
     mask = batch["attention_mask"]
-    attn = None if bool(mask.all()) else mask  # all-ones: let SDPA take its causal fast path
+    if packed is None:
+        packed = bool(mask.all())
+    attn = None if packed else mask
     logits = model(input_ids=batch["input_ids"], attention_mask=attn).logits
     labels = batch["labels"][:, 1:]
     loss = F.cross_entropy(
@@ -206,7 +214,7 @@ def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tu
         ignore_index=data_mod.IGNORE_INDEX,
         reduction="sum",
     )
-    return loss, int((labels != data_mod.IGNORE_INDEX).sum())
+    return loss, (labels != data_mod.IGNORE_INDEX).sum()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -409,7 +417,7 @@ class Trainer:
             batch = {k: v[lo : lo + B].to(dev) for k, v in self.val.items()}
             with self.acc.autocast():
                 s, c = token_loss_sum(self.model, batch)
-            total += torch.tensor([s.item(), c], dtype=torch.float64, device=dev)
+            total += torch.stack([s.detach().double(), c.double()])
         total = self.acc.reduce(total, reduction="sum")
         self.model.train()
         loss = (total[0] / total[1]).item()
@@ -549,7 +557,7 @@ class Trainer:
             mb = {key: v.to(dev) for key, v in mb.items()}
             sync = contextlib.nullcontext() if k == K - 1 else self.acc.no_sync(self.model)
             with sync, self.acc.autocast():
-                s, _ = token_loss_sum(self.model, mb)
+                s, _ = token_loss_sum(self.model, mb, packed=self.cfg.data.mode == "pack")
                 # DDP averages gradients over ranks: scale so the result is the global token mean.
                 self.acc.backward(s * (self.world / n_targets))
             loss_sum += s.detach()
