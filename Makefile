@@ -23,12 +23,12 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check effpretrain optimizers tests benchmarks
-	$(BIN)/ruff format --check effpretrain optimizers tests benchmarks
+	$(BIN)/ruff check effpretrain optimizers tests benchmarks examples
+	$(BIN)/ruff format --check effpretrain optimizers tests benchmarks examples
 
 format: $(STAMP)
-	$(BIN)/ruff format effpretrain optimizers tests benchmarks
-	$(BIN)/ruff check --fix effpretrain optimizers tests benchmarks
+	$(BIN)/ruff format effpretrain optimizers tests benchmarks examples
+	$(BIN)/ruff check --fix effpretrain optimizers tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -41,7 +41,9 @@ def get_optimizer_class(name: str) -> type[torch.optim.Optimizer]:
     return getattr(importlib.import_module(module), cls)
 
 
-def build_optimizer(name: str, param_groups: Iterable[dict[str, Any]], **kwargs: Any) -> torch.optim.Optimizer:
+def build_optimizer(
+    name: str, param_groups: Iterable[dict[str, Any]], **kwargs: Any
+) -> torch.optim.Optimizer:
     """Constructs optimizer `name` over `param_groups` (torch format) with defaults `kwargs`.
 
     For torch's AdamW the multi-tensor (foreach) path is used, which is its fastest CPU/GPU

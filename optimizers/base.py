@@ -26,11 +26,32 @@ Public, stable API (other modules build on it):
   so far) and ``seed`` (int). Subclasses may add keys (Fira: ``residual_norm``).
 * Telemetry attributes: ``refresh_count`` (int), ``refresh_seconds`` (float), ``failed_refreshes``
   (int): cumulative since construction (not saved in the state dict).
-* ``state_bytes(shape, group, dtype)`` classmethod: exact bytes of tensor state after >= 1 step.
+* ``state_bytes(shape, group, dtype)`` classmethod: exact bytes of tensor state after >= 1 step;
+  works on a plain dict group (missing keys take the defaults; projected iff it has ``rank``).
+* ``resolve_group(group)`` classmethod: a plain dict group with ``project`` and defaults filled.
+
+Subclass hooks (stable; override as needed, call ``super()`` where it says "extend"):
+
+* ``_projected_update(p, grad, low, norm, basis, state, group) -> (D, alpha)``: required; the
+  full-size direction, applied as W <- W - eta_t alpha D (plus weight decay) by `_apply_update`.
+* ``PROJECTION_DEFAULTS`` / ``ADAM_DEFAULTS`` / ``SCALE_KEY`` class attributes (extend by copying).
+* ``_fill_projected(group, defaults)`` (classmethod, extend: aliases such as Fira's alpha),
+  ``_validate_projected(group)`` (extend), ``_param_seed(group, index)``,
+  ``_init_extra_state(p, group, state)`` and ``_extra_state_bytes(shape, group, dtype)`` (own keys),
+  ``_init_moments`` / ``_adam`` / ``_moment_bytes`` (moment storage, e.g. 8-bit),
+  ``_current_basis`` / ``_refresh_due`` (basis policy), ``_projected_step`` (the whole projected
+  step: basis, project, Adam, update).
+* Helpers: ``_side(p, group)``, ``_back(norm, basis, p, group)`` = back(N), ``_adam_math``, ``_decay``,
+  ``_apply_update``.
 
 Schedule (galore-torch's): on a parameter's own pre-increment counter t, the basis is recomputed
 when t % T == 0 (so on steps 1, T + 1, 2T + 1, ... counting from 1) or when none exists yet.
-Moments are kept across refreshes (standard GaLore).
+Moments are kept across refreshes (standard GaLore). A refresh that fails (non-finite gradient
+or a failed decomposition, see `projection.compute_basis`) keeps the previous basis until the
+next scheduled refresh; when there is no previous basis yet the parameter is skipped for that
+step without advancing t, so the next step retries. randomized_svd bases are warm-started from
+the previous basis and their random sketch is drawn from (state ``seed``, refresh k), so runs and
+resumed runs are bitwise reproducible.
 
 Adam conventions (``adam_convention``):
 
@@ -60,7 +81,8 @@ from optimizers import projection as proj
 ADAM_CONVENTIONS: tuple[str, ...] = ("reference", "torch")
 
 
-def _itemsize(dtype: torch.dtype) -> int:
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of `dtype` (s in the state-memory formulas)."""
     return torch.empty((), dtype=dtype).element_size()
 
 
@@ -344,14 +366,20 @@ class ProjectedAdam(torch.optim.Optimizer):
         group: dict[str, Any],
         alpha: float = 1.0,
     ) -> None:
-        """W <- W - eta_t alpha D plus decoupled weight decay (before for torch, after for reference)."""
-        lr, wd = group["lr"], group["weight_decay"]
-        torch_style = group["adam_convention"] == "torch"
-        if torch_style and wd != 0.0:
-            p.mul_(1.0 - lr * wd)
+        """W <- W - eta_t alpha D, with decoupled weight decay before (torch) or after (reference)."""
+        self._decay(p, group, before=True)
         p.add_(update, alpha=-step_size * alpha)
-        if not torch_style and wd > 0.0:
-            p.add_(p, alpha=-lr * wd)
+        self._decay(p, group, before=False)
+
+    @staticmethod
+    def _decay(p: torch.Tensor, group: dict[str, Any], before: bool) -> None:
+        """W <- W (1 - eta lambda) if this is the convention's moment for it (torch: before the update)."""
+        lr, wd = group["lr"], group["weight_decay"]
+        if group["adam_convention"] == "torch":
+            if before and wd != 0.0:
+                p.mul_(1.0 - lr * wd)
+        elif not before and wd > 0.0:
+            p.add_(p, alpha=-lr * wd)  # galore-torch's exact operation
 
     def _dense_step(
         self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
@@ -405,13 +433,18 @@ class ProjectedAdam(torch.optim.Optimizer):
 
     @staticmethod
     def _nonzero_flags(grads: list[torch.Tensor]) -> list[bool]:
-        """[any(G != 0) for G in grads] with one host synchronisation per device (NaN counts as nonzero)."""
+        """[G != 0 anywhere, for G in grads] with one host synchronisation per device.
+
+        Uses ||G||_2 != 0 (a fused multi-tensor norm, several times faster than an inf-norm or
+        any() on CPU); inf/nan count as nonzero. A gradient whose every entry is below ~1e-19
+        (squares underflow in fp32) also reads as zero, which is harmless.
+        """
         flags: list[bool] = [True] * len(grads)
         by_device: dict[torch.device, list[int]] = {}
         for i, g in enumerate(grads):
             by_device.setdefault(g.device, []).append(i)
         for idx in by_device.values():
-            norms = torch._foreach_norm([grads[i] for i in idx], ord=float("inf"))
+            norms = torch._foreach_norm([grads[i] for i in idx], ord=2)
             nonzero = torch.stack([n.float() for n in norms]).ne(0).tolist()
             for i, nz in zip(idx, nonzero):
                 flags[i] = bool(nz)
@@ -477,7 +510,7 @@ class ProjectedAdam(torch.optim.Optimizer):
     @classmethod
     def _moment_bytes(cls, numel: int, dtype: torch.dtype, group: dict[str, Any]) -> int:
         """Bytes of exp_avg + exp_avg_sq holding `numel` entries each: 2 numel s (s = itemsize)."""
-        return 2 * numel * _itemsize(dtype)
+        return 2 * numel * itemsize(dtype)
 
     @classmethod
     def _extra_state_bytes(cls, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
@@ -512,10 +545,10 @@ class ProjectedAdam(torch.optim.Optimizer):
         low = proj.low_rank_shape(tuple(shape), int(g["rank"]), side, g["basis"])
         total = cls._moment_bytes(math.prod(low), dtype, g)
         if g["basis"] != "random":
-            total += math.prod(proj.basis_shape(tuple(shape), int(g["rank"]), side, g["basis"])) * _itemsize(
+            total += math.prod(proj.basis_shape(tuple(shape), int(g["rank"]), side, g["basis"])) * itemsize(
                 dtype
             )
         return total + cls._extra_state_bytes(tuple(shape), g, dtype)
 
 
-__all__ = ["ADAM_CONVENTIONS", "ProjectedAdam"]
+__all__ = ["ADAM_CONVENTIONS", "ProjectedAdam", "itemsize"]
