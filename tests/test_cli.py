@@ -17,7 +17,11 @@ def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run(
-        [sys.executable, "-m", "effpretrain", *args], capture_output=True, text=True, cwd=cwd or ROOT, env=env,
+        [sys.executable, "-m", "effpretrain", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd or ROOT,
+        env=env,
         timeout=300,
     )
 
@@ -36,7 +40,11 @@ def assert_bad_input(proc: subprocess.CompletedProcess, needle: str) -> None:
         ("optim:\n  nam: adamw\n", [], "unknown key 'optim.nam'"),
         ("optim:\n  lr: fast\n", [], "optim.lr='fast' has the wrong type"),
         ("optim:\n  lr: -1.0e-3\n", [], "optim.lr=-0.001 must be > 0"),
-        ("data:\n  source: files\n  path: missing/corpus.txt\n", [], "data.path not found: missing/corpus.txt"),
+        (
+            "data:\n  source: files\n  path: missing/corpus.txt\n",
+            [],
+            "data.path not found: missing/corpus.txt",
+        ),
         ("{}\n", ["--set", "train.max_steps=-3"], "train.max_steps=-3 must be > 0"),
         ("{}\n", ["--set", "nonsense"], "is not of the form section.key=value"),
     ],

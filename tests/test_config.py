@@ -23,10 +23,25 @@ def test_defaults_load_and_method_from_stem(tmp_path):
 def test_every_issue_key_exists():
     cfg = RunConfig()
     for key in [
-        "model.preset", "optim.name", "optim.lr", "optim.weight_decay", "data.source", "data.path",
-        "data.name", "data.tokenizer", "data.seq_len", "train.max_steps", "train.batch_size",
-        "train.grad_accum", "train.warmup_ratio", "train.min_lr_ratio", "train.eval_every",
-        "train.eval_batches", "train.save_every", "train.seed", "train.precision",
+        "model.preset",
+        "optim.name",
+        "optim.lr",
+        "optim.weight_decay",
+        "data.source",
+        "data.path",
+        "data.name",
+        "data.tokenizer",
+        "data.seq_len",
+        "train.max_steps",
+        "train.batch_size",
+        "train.grad_accum",
+        "train.warmup_ratio",
+        "train.min_lr_ratio",
+        "train.eval_every",
+        "train.eval_batches",
+        "train.save_every",
+        "train.seed",
+        "train.precision",
         "train.activation_checkpointing",
     ]:
         section, name = key.split(".")

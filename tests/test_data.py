@@ -32,7 +32,9 @@ def test_builtin_bpe_cached_by_corpus_hash(builtin, tmp_path):
     cfg, corpus, tok = builtin
     assert tok.vocab_size == 512 and tok.eos_id != tok.pad_id
     again = data.load_tokenizer(cfg, corpus)  # second load comes from the cache
-    assert again.encode_batch(["def f(x):\n    return x\n"]) == tok.encode_batch(["def f(x):\n    return x\n"])
+    assert again.encode_batch(["def f(x):\n    return x\n"]) == tok.encode_batch(
+        ["def f(x):\n    return x\n"]
+    )
     cached = list((data.cache_dir() / "tokenizers").glob(f"bpe-{corpus.fingerprint()}-512.json"))
     assert len(cached) == 1
 

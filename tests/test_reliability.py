@@ -24,8 +24,12 @@ from effpretrain.trainer import NonFiniteError, Trainer, train
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "tiny" / "adamw.yaml"
 SMALL = [
-    "data.seq_len=32", "data.vocab_size=512", "train.batch_size=4", "train.eval_batches=2",
-    "train.log_every=1", "train.plot=false",
+    "data.seq_len=32",
+    "data.vocab_size=512",
+    "train.batch_size=4",
+    "train.eval_batches=2",
+    "train.log_every=1",
+    "train.plot=false",
 ]
 
 
@@ -47,7 +51,12 @@ def subprocess_env() -> dict[str, str]:
 def straight(tmp_path_factory):
     """An uninterrupted 30-step run, checkpoints every 10 (kept: all three)."""
     out = tmp_path_factory.mktemp("straight") / "run"
-    over = SMALL + ["train.max_steps=30", "train.save_every=10", "train.eval_every=30", "train.keep_checkpoints=3"]
+    over = SMALL + [
+        "train.max_steps=30",
+        "train.save_every=10",
+        "train.eval_every=30",
+        "train.keep_checkpoints=3",
+    ]
     summary = train(load_config(RECIPE, over), out)
     return out, over, summary
 
@@ -58,7 +67,9 @@ def test_sigterm_then_resume_auto_matches_uninterrupted(straight, tmp_path):
     args = [sys.executable, "-m", "effpretrain", "train", str(RECIPE), "--out", str(out)]
     for o in over:
         args += ["--set", o]
-    proc = subprocess.Popen(args, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        args, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     metrics = out / "metrics.jsonl"
     deadline = time.time() + 240
     while time.time() < deadline:
@@ -106,8 +117,13 @@ def test_sigkill_mid_save_keeps_previous_checkpoint_and_resume_continues(straigh
     out = tmp_path / "run"
     script = tmp_path / "die.py"
     script.write_text(KILL_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), str(RECIPE), str(out), *over], env=subprocess_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(RECIPE), str(out), *over],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert "step-10" in names and "step-20" not in names
@@ -133,8 +149,12 @@ def test_truncated_newest_checkpoint_falls_back_to_previous(straight, tmp_path, 
 
 
 def test_nonfinite_gradients_skip_without_advancing_and_stop_after_n(tmp_path):
-    over = SMALL + ["train.max_steps=12", "train.eval_every=0", "train.save_every=4",
-                    "train.max_consecutive_skips=3"]
+    over = SMALL + [
+        "train.max_steps=12",
+        "train.eval_every=0",
+        "train.save_every=4",
+        "train.max_consecutive_skips=3",
+    ]
     trainer = Trainer(load_config(RECIPE, over), tmp_path / "run")
     calls = {"n": 0}
     bad = {3, 4, 9, 10, 11}  # attempts (1-based) whose gradient the test poisons
@@ -153,11 +173,19 @@ def test_nonfinite_gradients_skip_without_advancing_and_stop_after_n(tmp_path):
     real_step = trainer._train_step
 
     def spy():
-        before = (trainer.progress.step, trainer.sched.last_epoch, trainer.stream.state_dict(),
-                  {k: v.get("step") for k, v in trainer.inner_opt.state.items()})
+        before = (
+            trainer.progress.step,
+            trainer.sched.last_epoch,
+            trainer.stream.state_dict(),
+            {k: v.get("step") for k, v in trainer.inner_opt.state.items()},
+        )
         out = real_step()
-        after = (trainer.progress.step, trainer.sched.last_epoch, trainer.stream.state_dict(),
-                 {k: v.get("step") for k, v in trainer.inner_opt.state.items()})
+        after = (
+            trainer.progress.step,
+            trainer.sched.last_epoch,
+            trainer.stream.state_dict(),
+            {k: v.get("step") for k, v in trainer.inner_opt.state.items()},
+        )
         seen[calls["n"]] = (out[2], before, after)
         return out
 
@@ -168,8 +196,12 @@ def test_nonfinite_gradients_skip_without_advancing_and_stop_after_n(tmp_path):
         finite, before, after = seen[attempt]
         assert not finite
         assert before[1] == after[1]  # scheduler did not advance
-        assert all(torch.equal(before[2][k], after[2][k]) if torch.is_tensor(before[2][k])
-                   else before[2][k] == after[2][k] for k in before[2])  # nor the data position
+        assert all(
+            torch.equal(before[2][k], after[2][k])
+            if torch.is_tensor(before[2][k])
+            else before[2][k] == after[2][k]
+            for k in before[2]
+        )  # nor the data position
         assert {k: float(v) for k, v in before[3].items()} == {k: float(v) for k, v in after[3].items()}
     assert seen[5][0] and trainer.progress.skipped == 5
     # Attempts 1,2,5,6,7,8 were good: 6 steps; the run stopped at the third skip in a row.
@@ -228,11 +260,15 @@ def _case_auto_none_good(tmp, ckpt):
 
 
 def _case_other_model(tmp, ckpt):
-    return ["train", str(RECIPE), "--out", str(tmp / "o"), "--resume", str(ckpt)] + _sets(SMALL + ["model.preset=llama_20m"])
+    return ["train", str(RECIPE), "--out", str(tmp / "o"), "--resume", str(ckpt)] + _sets(
+        SMALL + ["model.preset=llama_20m"]
+    )
 
 
 def _case_other_batch(tmp, ckpt):
-    return ["train", str(RECIPE), "--out", str(tmp / "o"), "--resume", str(ckpt)] + _sets(SMALL + ["train.batch_size=8"])
+    return ["train", str(RECIPE), "--out", str(tmp / "o"), "--resume", str(ckpt)] + _sets(
+        SMALL + ["train.batch_size=8"]
+    )
 
 
 def _case_existing_run(tmp, ckpt):
@@ -292,11 +328,18 @@ MALFORMED = {
     "bad yaml": (_recipe("optim: {name: adamw\n"), "not valid YAML"),
     "top-level list": (_recipe("- 1\n- 2\n"), "must be a mapping"),
     "hub without name": (_recipe("data:\n  source: hub\n"), "data.name is required"),
-    "seq_len beyond positions": (_recipe("model:\n  max_position_embeddings: 16\ndata:\n  seq_len: 32\n"),
-                                 "data.seq_len=32 exceeds model.max_position_embeddings=16"),
-    "rank beyond dims": (_recipe("optim:\n  name: galore\n  rank: 4096\n"), "optim.rank=4096 exceeds min(m, n)"),
-    "targets match nothing": (_recipe("optim:\n  name: galore\n  rank: 8\n  targets: [nothing]\n"),
-                              "matched no linear weight"),
+    "seq_len beyond positions": (
+        _recipe("model:\n  max_position_embeddings: 16\ndata:\n  seq_len: 32\n"),
+        "data.seq_len=32 exceeds model.max_position_embeddings=16",
+    ),
+    "rank beyond dims": (
+        _recipe("optim:\n  name: galore\n  rank: 4096\n"),
+        "optim.rank=4096 exceeds min(m, n)",
+    ),
+    "targets match nothing": (
+        _recipe("optim:\n  name: galore\n  rank: 8\n  targets: [nothing]\n"),
+        "matched no linear weight",
+    ),
     # data
     "missing data path": (_data_file("x.txt", None, ["data.path=does/not/exist.txt"]), "data.path not found"),
     "empty txt": (_data_file("e.txt", "  \n\n "), "the corpus is empty"),
@@ -308,9 +351,14 @@ MALFORMED = {
     "csv file": (_data_file("d.csv", "text\nhello\n"), "unsupported file type"),
     "one tiny document": (_data_file("one.txt", "just one line"), "too few documents"),
     # checkpoints
-    "resume missing": (lambda tmp, ckpt: ["train", str(RECIPE), "--resume", str(tmp / "nope")], "does not exist"),
-    "resume not a checkpoint": (lambda tmp, ckpt: ["train", str(RECIPE), "--out", str(tmp / "o"), "--resume", str(tmp)],
-                                "not a complete checkpoint"),
+    "resume missing": (
+        lambda tmp, ckpt: ["train", str(RECIPE), "--resume", str(tmp / "nope")],
+        "does not exist",
+    ),
+    "resume not a checkpoint": (
+        lambda tmp, ckpt: ["train", str(RECIPE), "--out", str(tmp / "o"), "--resume", str(tmp)],
+        "not a complete checkpoint",
+    ),
     "pickled object": (_case_pickled_object, "optimizer.pt refused or corrupt"),
     "truncated safetensors": (_case_truncated_model, "model.safetensors unreadable"),
     "incomplete checkpoint": (_case_no_marker, "not a complete checkpoint"),
@@ -322,11 +370,19 @@ MALFORMED = {
     "unknown command": (_argv("fly"), "invalid choice: 'fly'"),
     "estimate without model": (_argv("estimate"), "--model"),
     "estimate bad dtype": (_argv("estimate", "--model", "tiny", "--dtype", "fp8"), "invalid choice: 'fp8'"),
-    "estimate negative rank": (_argv("estimate", "--model", "tiny", "--method", "galore", "--rank", "-4"),
-                               "--rank must be > 0"),
-    "estimate zero world": (_argv("estimate", "--model", "tiny", "--world-size", "0"), "--world-size must be > 0"),
+    "estimate negative rank": (
+        _argv("estimate", "--model", "tiny", "--method", "galore", "--rank", "-4"),
+        "--rank must be > 0",
+    ),
+    "estimate zero world": (
+        _argv("estimate", "--model", "tiny", "--world-size", "0"),
+        "--world-size must be > 0",
+    ),
     "set without value": (_argv("train", str(RECIPE), "--set", "optim.lr"), "not of the form"),
-    "set non-number": (_argv("train", str(RECIPE), "--set", "train.seed=abc"), "train.seed='abc' has the wrong type"),
+    "set non-number": (
+        _argv("train", str(RECIPE), "--set", "train.seed=abc"),
+        "train.seed='abc' has the wrong type",
+    ),
 }
 
 

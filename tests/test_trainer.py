@@ -35,15 +35,36 @@ def test_tiny_recipe_trains_and_memory_matches(recipe, tmp_path, tiny_overrides)
     assert summary["weight_bytes"] == summary["estimated"]["weights"]
     assert summary["grad_bytes"] == summary["estimated"]["grads"]
     on_disk = json.loads((tmp_path / "run" / "summary.json").read_text())
-    for key in ["method", "model", "params", "trainable_params", "steps", "tokens", "final_val_loss",
-                "final_val_ppl", "tokens_per_s", "wall_s", "peak_memory_bytes", "optimizer_state_bytes",
-                "weight_bytes", "grad_bytes", "estimated", "device", "world_size", "torch", "transformers",
-                "git_commit", "config_hash"]:
+    for key in [
+        "method",
+        "model",
+        "params",
+        "trainable_params",
+        "steps",
+        "tokens",
+        "final_val_loss",
+        "final_val_ppl",
+        "tokens_per_s",
+        "wall_s",
+        "peak_memory_bytes",
+        "optimizer_state_bytes",
+        "weight_bytes",
+        "grad_bytes",
+        "estimated",
+        "device",
+        "world_size",
+        "torch",
+        "transformers",
+        "git_commit",
+        "config_hash",
+    ]:
         assert key in on_disk, key
     events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e.get("event") == "eval"] == [3, 6]
     logs = [e for e in events if "event" not in e]
-    assert logs and all(k in logs[0] for k in ("loss", "lr", "grad_norm", "tokens_per_s", "peak_memory_bytes"))
+    assert logs and all(
+        k in logs[0] for k in ("loss", "lr", "grad_norm", "tokens_per_s", "peak_memory_bytes")
+    )
 
 
 def test_split_run_equals_straight_run(tmp_path, tiny_overrides):
@@ -53,8 +74,11 @@ def test_split_run_equals_straight_run(tmp_path, tiny_overrides):
     straight = train(load_config(recipe, over), tmp_path / "straight")
     assert (tmp_path / "straight" / "checkpoints" / "step-20").is_dir()
     # Resume the straight run's step-20 checkpoint into a fresh run directory.
-    resumed = train(load_config(recipe, over), tmp_path / "resumed",
-                    resume=str(tmp_path / "straight" / "checkpoints" / "step-20"))
+    resumed = train(
+        load_config(recipe, over),
+        tmp_path / "resumed",
+        resume=str(tmp_path / "straight" / "checkpoints" / "step-20"),
+    )
     a, b = final_weights(tmp_path / "straight"), final_weights(tmp_path / "resumed")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
