@@ -144,8 +144,13 @@ def build_run_model(cfg: RunConfig, vocab_size: int) -> tuple[torch.nn.Module, d
 
         try:
             report = apply_factorization(
-                model, cfg.factor.kind, cfg.factor.rank, cfg.factor.alpha,
-                targets=tuple(cfg.factor.targets), density=cfg.factor.density, seed=cfg.factor.seed,
+                model,
+                cfg.factor.kind,
+                cfg.factor.rank,
+                cfg.factor.alpha,
+                targets=tuple(cfg.factor.targets),
+                density=cfg.factor.density,
+                seed=cfg.factor.seed,
             )
         except ValueError as e:
             raise ConfigError(f"factor: {e}") from None
@@ -309,6 +314,7 @@ class Trainer:
                 f"{self.world} processes but the model is not wrapped in DDP (got {type(self.model).__name__})"
             )
         self.progress = Progress()
+        self.opt_seconds = 0.0  # wall time inside optimizer.step() (events included), this process
         if self.resume_path is not None:
             self._load(self.resume_path, allow_config_change)
 
@@ -457,6 +463,7 @@ class Trainer:
             )
         tokens_per_step = t.batch_size * t.grad_accum * self.world * cfg.data.seq_len
         train_time, start_wall = 0.0, time.time()
+        start_tokens = p.tokens  # throughput counts only what this process trained (resume-safe)
         last_val: tuple[float, float] | None = None
         grad_bytes = 0
         self.model.train()
@@ -481,7 +488,7 @@ class Trainer:
                 p.consecutive_skips = 0
                 p.step += 1
                 p.tokens += tokens_per_step
-                tps = p.tokens / max(train_time, 1e-9) if p.step else 0.0
+                tps = (p.tokens - start_tokens) / max(train_time, 1e-9)
                 if p.step % t.log_every == 0 or p.step == t.max_steps:
                     rec = {
                         "step": p.step,
@@ -493,6 +500,7 @@ class Trainer:
                         "peak_memory_bytes": memory.peak_memory_bytes(self.acc.device),
                         "optimizer_state_bytes": optimizers.measured_state_bytes(self.inner_opt),
                         **opt_telemetry(self.inner_opt),
+                        "opt/step_s": self.opt_seconds,
                     }
                     self._write(mfile, rec)
                 if t.eval_every and (p.step % t.eval_every == 0 or p.step == t.max_steps):
@@ -535,7 +543,9 @@ class Trainer:
         if last_val is None or (t.eval_every and p.step % t.eval_every and p.step):
             last_val = self.evaluate()
         self.save()
-        summary = self._summary(last_val, train_time, time.time() - start_wall, grad_bytes)
+        summary = self._summary(
+            last_val, train_time, time.time() - start_wall, grad_bytes, p.tokens - start_tokens
+        )
         if self.is_main:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
             if t.plot:
@@ -578,7 +588,9 @@ class Trainer:
             )
         finite = math.isfinite(loss) and math.isfinite(gnorm)
         if finite:
+            t0 = time.perf_counter()
             self.opt.step()
+            self.opt_seconds += time.perf_counter() - t0
             self.sched.step()
         else:
             # Nothing advances on a skipped step: not the schedule, the optimizer, nor the data.
@@ -599,7 +611,9 @@ class Trainer:
                 step=rec["step"],
             )
 
-    def _summary(self, val, train_time: float, wall: float, grad_bytes: int) -> dict[str, Any]:
+    def _summary(
+        self, val, train_time: float, wall: float, grad_bytes: int, new_tokens: int
+    ) -> dict[str, Any]:
         import transformers
 
         model = self.acc.unwrap_model(self.model)
@@ -623,7 +637,7 @@ class Trainer:
             "skipped_steps": p.skipped,
             "final_val_loss": val[0],
             "final_val_ppl": val[1],
-            "tokens_per_s": p.tokens / max(train_time, 1e-9),
+            "tokens_per_s": new_tokens / max(train_time, 1e-9),
             "wall_s": wall,
             "peak_memory_bytes": memory.peak_memory_bytes(self.acc.device),
             "optimizer_state_bytes": measured_state,
