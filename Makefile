@@ -19,8 +19,10 @@ venv: $(STAMP)
 train: $(STAMP)
 	$(BIN)/effpretrain train $(ARGS)
 
+# Two pytest workers with one thread each use both cores without oversubscription (OpenMP threads
+# of concurrent processes spin against each other and slow tiny-model tests down many times over).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check effpretrain optimizers tests benchmarks examples
