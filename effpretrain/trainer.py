@@ -337,6 +337,9 @@ class Trainer:
                 )
         return list(self.cfg.train.trackers)
 
+    def _sharding(self) -> str:
+        return self.cfg.dist.sharding if self.world > 1 else "none"
+
     # -- checkpoints --------------------------------------------------------------------------
     def _trainer_state(self) -> dict[str, Any]:
         p = self.progress
@@ -348,6 +351,7 @@ class Trainer:
             "scheduler": self.sched.state_dict(),
             "rng_cpu": torch.get_rng_state(),
             "world_size": self.world,
+            "sharding": self._sharding(),
             "config": to_dict(self.cfg),
         }
         if torch.cuda.is_available():
@@ -404,6 +408,13 @@ class Trainer:
             raise ConfigError(
                 f"checkpoint {path} was written by {tr.get('world_size')} processes, this run has {self.world}; "
                 "resume with the same number of processes"
+            )
+        saved_sharding = tr.get("sharding", "ddp" if self.world > 1 else "none")
+        if "fsdp2" in (saved_sharding, self._sharding()) and saved_sharding != self._sharding():
+            # FSDP2 optimizer state is re-sharded from a record of what was sharded when saved.
+            raise ConfigError(
+                f"checkpoint {path} was written with dist.sharding={saved_sharding}, this run uses "
+                f"{self._sharding()}; resume with the same dist.sharding"
             )
         model = self.acc.unwrap_model(self.model)
         if self.fsdp:
@@ -650,9 +661,7 @@ class Trainer:
         params = sum(q.numel() for q in model.parameters())
         trainable = sum(q.numel() for q in model.parameters() if q.requires_grad)
         weight_bytes = sum(_local(v).numel() * v.element_size() for v in model.state_dict().values())
-        est = memory.estimate_from_config(
-            self.cfg, self.tok.vocab_size, self.world, self.cfg.dist.sharding if self.world > 1 else "none"
-        )
+        est = memory.estimate_from_config(self.cfg, self.tok.vocab_size, self.world, self._sharding())
         measured_state = optimizers.measured_state_bytes(self.inner_opt)
         p = self.progress
         return {
@@ -680,7 +689,7 @@ class Trainer:
             },
             "device": _device_name(self.acc.device),
             "world_size": self.world,
-            "sharding": self.cfg.dist.sharding if self.world > 1 else "none",
+            "sharding": self._sharding(),
             "precision": self.cfg.train.precision,
             "torch": torch.__version__,
             "transformers": transformers.__version__,

@@ -99,7 +99,7 @@ WORKER = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
-    from effpretrain.config import load_config
+    from effpretrain.config import ConfigError, load_config
     from effpretrain.trainer import Trainer, train
 
     root, out, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
@@ -125,6 +125,14 @@ WORKER = textwrap.dedent(
     train(load_config(recipe(resume), over), out / f"{resume}-straight")
     train(load_config(recipe(resume), over), out / f"{resume}-split",
           resume=str(out / f"{resume}-straight" / "checkpoints" / "step-10"))
+    # The same checkpoint under DDP: refused before any step (every rank raises the same error).
+    try:
+        ddp = load_config(recipe(resume), common + ["train.batch_size=2", "train.save_every=10"])
+        Trainer(ddp, out / "ddp-resume", resume=str(out / f"{resume}-straight" / "checkpoints" / "step-10"))
+        msg = "not refused"
+    except ConfigError as e:
+        msg = str(e)
+    (out / "ddp-resume.txt").write_text(msg)
     """
 )
 
@@ -220,6 +228,10 @@ def test_resume_with_another_world_size_is_refused(runs, tmp_path):
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 2, res.stderr[-2000:]
     assert "written by 2 processes" in res.stderr
+
+
+def test_resume_with_another_sharding_is_refused(runs):
+    assert "written with dist.sharding=fsdp2, this run uses ddp" in (runs / "ddp-resume.txt").read_text()
 
 
 def test_unsupported_method_under_fsdp2_is_refused(monkeypatch):
