@@ -297,6 +297,12 @@ class Trainer:
         if t.precision == "bf16-pure":
             model = model.to(torch.bfloat16)
         model = model.to(self.acc.device)
+        # FSDP2: shard before the optimizer is built, since fully_shard replaces the parameters.
+        self.fsdp = self.world > 1 and cfg.dist.sharding == "fsdp2"
+        if self.fsdp:
+            from effpretrain import fsdp
+
+            model = fsdp.apply_fsdp2(model)
 
         # Optimizer (+ restart events) and schedule
         groups = build_param_groups(model, cfg)
@@ -308,8 +314,16 @@ class Trainer:
             opt = wrap_restarts(opt, model, cfg)
         self.inner_opt = opt
         self.sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
-        self.model, self.opt = self.acc.prepare(model, opt)
-        if self.world > 1 and not isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+        if self.fsdp:
+            # Not through acc.prepare: without Accelerate's FSDP plugin it would wrap in DDP.
+            self.model, self.opt = model, opt
+        else:
+            self.model, self.opt = self.acc.prepare(model, opt)
+        if (
+            self.world > 1
+            and not self.fsdp
+            and not isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
+        ):
             raise ConfigError(
                 f"{self.world} processes but the model is not wrapped in DDP (got {type(self.model).__name__})"
             )
@@ -329,6 +343,9 @@ class Trainer:
                 )
         return list(self.cfg.train.trackers)
 
+    def _sharding(self) -> str:
+        return self.cfg.dist.sharding if self.world > 1 else "none"
+
     # -- checkpoints --------------------------------------------------------------------------
     def _trainer_state(self) -> dict[str, Any]:
         p = self.progress
@@ -340,6 +357,7 @@ class Trainer:
             "scheduler": self.sched.state_dict(),
             "rng_cpu": torch.get_rng_state(),
             "world_size": self.world,
+            "sharding": self._sharding(),
             "config": to_dict(self.cfg),
         }
         if torch.cuda.is_available():
@@ -349,14 +367,23 @@ class Trainer:
     def save(self) -> Path | None:
         self.acc.wait_for_everyone()
         path = None
-        if self.is_main:
+        trainer_state = self._trainer_state()
+        if self.fsdp:
+            # Gathered to full tensors (collectives, every rank): the files are those of any run.
+            from effpretrain import fsdp
+
+            model_state = fsdp.full_model_state(self.model)
+            opt_state, trainer_state["fsdp_sharded_state"] = fsdp.full_optimizer_state(self.inner_opt)
+        elif self.is_main:
             model_state = self.acc.unwrap_model(self.model).state_dict()
+            opt_state = self.inner_opt.state_dict()
+        if self.is_main:
             path = ckpt.save_checkpoint(
                 self.out / "checkpoints",
                 self.progress.step,
                 model_state,
-                self.inner_opt.state_dict(),
-                self._trainer_state(),
+                opt_state,
+                trainer_state,
                 dump_yaml(self.cfg),
                 keep=self.cfg.train.keep_checkpoints,
             )
@@ -388,15 +415,33 @@ class Trainer:
                 f"checkpoint {path} was written by {tr.get('world_size')} processes, this run has {self.world}; "
                 "resume with the same number of processes"
             )
+        saved_sharding = tr.get("sharding", "ddp" if self.world > 1 else "none")
+        if "fsdp2" in (saved_sharding, self._sharding()) and saved_sharding != self._sharding():
+            # FSDP2 optimizer state is re-sharded from a record of what was sharded when saved.
+            raise ConfigError(
+                f"checkpoint {path} was written with dist.sharding={saved_sharding}, this run uses "
+                f"{self._sharding()}; resume with the same dist.sharding"
+            )
         model = self.acc.unwrap_model(self.model)
-        missing, unexpected = model.load_state_dict(state["model"], strict=False)
+        if self.fsdp:
+            from effpretrain import fsdp
+
+            # Every rank read the full state; each keeps its shard.
+            missing, unexpected = fsdp.load_full_model_state(model, state["model"])
+        else:
+            missing, unexpected = model.load_state_dict(state["model"], strict=False)
         # Non-persistent buffers (rotary inv_freq) are rebuilt, not saved.
         if unexpected or [k for k in missing if k in dict(model.named_parameters())]:
             raise ConfigError(
                 f"checkpoint {path} does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
             )
         try:
-            self.inner_opt.load_state_dict(state["optimizer"])
+            if self.fsdp:
+                fsdp.load_full_optimizer_state(
+                    self.inner_opt, state["optimizer"], tr.get("fsdp_sharded_state", [])
+                )
+            else:
+                self.inner_opt.load_state_dict(state["optimizer"])
         except (ValueError, KeyError, RuntimeError) as e:
             raise ConfigError(
                 f"checkpoint {path}: optimizer state does not match ({e})".splitlines()[0]
@@ -565,14 +610,23 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
         for k, mb in enumerate(micro):
             mb = {key: v.to(dev) for key, v in mb.items()}
-            sync = contextlib.nullcontext() if k == K - 1 else self.acc.no_sync(self.model)
+            if self.fsdp:
+                # Reduce-scatter only on the last micro-step; earlier ones accumulate unsharded grads.
+                self.model.set_requires_gradient_sync(k == K - 1)
+                sync = contextlib.nullcontext()
+            else:
+                sync = contextlib.nullcontext() if k == K - 1 else self.acc.no_sync(self.model)
             with sync, self.acc.autocast():
                 s, _ = token_loss_sum(self.model, mb, packed=self.cfg.data.mode == "pack")
-                # DDP averages gradients over ranks: scale so the result is the global token mean.
+                # DDP and FSDP2 average gradients over ranks: scale so the result is the global token mean.
                 self.acc.backward(s * (self.world / n_targets))
             loss_sum += s.detach()
         loss = self.acc.reduce(loss_sum, reduction="sum").item() / n_targets
-        if self.cfg.train.grad_clip > 0:
+        if self.fsdp:
+            from effpretrain import fsdp
+
+            gnorm = fsdp.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
+        elif self.cfg.train.grad_clip > 0:
             gnorm = float(self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip))
         else:
             gnorm = float(
@@ -599,7 +653,8 @@ class Trainer:
         return loss, gnorm, finite
 
     def _grad_bytes(self) -> int:
-        return sum(q.numel() * q.element_size() for q in self.model.parameters() if q.requires_grad)
+        # Per rank: a sharded parameter's gradient is its local shard.
+        return sum(_local(q).numel() * q.element_size() for q in self.model.parameters() if q.requires_grad)
 
     def _write(self, fh, rec: dict[str, Any]) -> None:
         if fh is not None:
@@ -619,10 +674,8 @@ class Trainer:
         model = self.acc.unwrap_model(self.model)
         params = sum(q.numel() for q in model.parameters())
         trainable = sum(q.numel() for q in model.parameters() if q.requires_grad)
-        weight_bytes = sum(v.numel() * v.element_size() for v in model.state_dict().values())
-        est = memory.estimate_from_config(
-            self.cfg, self.tok.vocab_size, self.world, "ddp" if self.world > 1 else "none"
-        )
+        weight_bytes = sum(_local(v).numel() * v.element_size() for v in model.state_dict().values())
+        est = memory.estimate_from_config(self.cfg, self.tok.vocab_size, self.world, self._sharding())
         measured_state = optimizers.measured_state_bytes(self.inner_opt)
         p = self.progress
         return {
@@ -650,6 +703,7 @@ class Trainer:
             },
             "device": _device_name(self.acc.device),
             "world_size": self.world,
+            "sharding": self._sharding(),
             "precision": self.cfg.train.precision,
             "torch": torch.__version__,
             "transformers": transformers.__version__,
@@ -672,7 +726,29 @@ def check_launch(world: int, cfg: RunConfig) -> None:
             "use --config_file recipes/accelerate/ddp_cpu.yaml or torchrun --nproc_per_node N"
         )
     if world > 1 and cfg.dist.sharding == "fsdp2":
-        raise ConfigError("dist.sharding=fsdp2 is not supported yet; use dist.sharding=ddp")
+        # What runs on local shards unchanged and is proven equal to one process (tests/test_fsdp2.py).
+        if cfg.optim.name not in FSDP2_OPTIMIZERS or cfg.factor.kind not in FSDP2_FACTOR_KINDS:
+            raise ConfigError(
+                f"dist.sharding=fsdp2 supports optim.name in {sorted(FSDP2_OPTIMIZERS)} with factor.kind in "
+                f"{sorted(FSDP2_FACTOR_KINDS)} (got {cfg.optim.name}, {cfg.factor.kind}); "
+                "use dist.sharding=ddp for the others"
+            )
+
+
+# Under FSDP2 each rank steps its own shards: element-wise optimizers need no change; refactorization
+# gathers whole factors (optimizers.refactorization).
+# Projection optimizers gather each projected matrix's whole gradient (optimizers.base.ProjectedAdam).
+FSDP2_OPTIMIZERS = frozenset({"adamw", "galore", "fira", "apollo"})
+FSDP2_FACTOR_KINDS = frozenset({"none", "lowrank", "sltrain"})
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t`: its local shard for an FSDP2 DTensor, `t` itself otherwise."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch build without distributed support
+        return t
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class NonFiniteError(RuntimeError):

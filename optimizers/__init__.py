@@ -72,12 +72,21 @@ def state_bytes(name: str, shape: tuple[int, ...], group: dict[str, Any], dtype:
 
 
 def measured_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Sums numel * element_size over every tensor held in `optimizer.state`."""
+    """Sums numel * element_size over every tensor held in `optimizer.state`, on this process.
+
+    A sharded (FSDP2 DTensor) state tensor counts its local shard only: the bytes this rank holds.
+    """
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch build without distributed support
+        DTensor = ()  # noqa: N806
     inner = getattr(optimizer, "optimizer", optimizer)
     total = 0
     for st in inner.state.values():
         for v in st.values():
             if torch.is_tensor(v):
+                if isinstance(v, DTensor):
+                    v = v.to_local()
                 total += v.numel() * v.element_size()
     return total
 

@@ -66,6 +66,13 @@ A parameter whose gradient is entirely zero in a step (distributed checkpoint lo
 zero gradients to materialise state) gets its state allocated (zeros) but is otherwise skipped: no
 basis is computed, its counter t does not advance, the weight is not touched. The check costs one
 host synchronisation per step for all parameters together.
+
+FSDP2 (parameters and gradients are DTensors sharded across ranks): non-projected parameters
+run AdamW on their local shards (moments sharded like the parameter). A projected parameter's
+step runs on the whole matrix: every rank all-gathers the full gradient and weight, computes the
+same basis and update as a single process would (Fira's and APOLLO's norms over the whole
+matrix), and keeps its own shard; see `_projected_step_sharded` for the memory and
+communication cost. Its projected state is replicated on every rank.
 """
 
 from __future__ import annotations
@@ -79,6 +86,15 @@ import torch
 from optimizers import projection as proj
 
 ADAM_CONVENTIONS: tuple[str, ...] = ("reference", "torch")
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """Whether `t` is a DTensor (an FSDP2-sharded parameter or gradient)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch build without distributed support
+        return False
+    return isinstance(t, DTensor)
 
 
 def itemsize(dtype: torch.dtype) -> int:
@@ -262,7 +278,12 @@ class ProjectedAdam(torch.optim.Optimizer):
     def _init_state(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], index: int) -> None:
         state["step"] = 0
         if not group["project"]:
-            self._init_moments(state, tuple(p.shape), p, group)
+            if _is_dtensor(p):
+                # FSDP2: sharded like the parameter; AdamW is element-wise, so each rank steps its shard.
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            else:
+                self._init_moments(state, tuple(p.shape), p, group)
             return
         side = self._side(p, group)
         shape, method = tuple(p.shape), group["basis"]
@@ -440,6 +461,17 @@ class ProjectedAdam(torch.optim.Optimizer):
         (squares underflow in fp32) also reads as zero, which is harmless.
         """
         flags: list[bool] = [True] * len(grads)
+        sharded = [g for g in grads if _is_dtensor(g)]
+        if sharded:
+            # FSDP2: a shard may be zero where the whole gradient is not; decide on the whole one,
+            # identically on every rank (the projected step has collectives).
+            import torch.distributed as dist
+
+            local = [g.to_local() if _is_dtensor(g) else g for g in grads]
+            norms = torch.stack([n.float() for n in torch._foreach_norm(local, ord=2)])
+            nonzero = norms.ne(0).float()
+            dist.all_reduce(nonzero, op=dist.ReduceOp.MAX, group=sharded[0].device_mesh.get_group())
+            return [bool(v) for v in nonzero.tolist()]
         by_device: dict[torch.device, list[int]] = {}
         for i, g in enumerate(grads):
             by_device.setdefault(g.device, []).append(i)
@@ -479,11 +511,36 @@ class ProjectedAdam(torch.optim.Optimizer):
                 self._init_state(p, group, state, idx)
             if not nonzero:
                 continue
-            if group["project"]:
+            if group["project"] and _is_dtensor(p):
+                self._projected_step_sharded(p, state, group)
+            elif group["project"]:
                 self._projected_step(p, p.grad, state, group)
             else:
                 self._dense_step(p, p.grad, state, group)
         return loss
+
+    def _projected_step_sharded(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        """The projected step of an FSDP2-sharded (DTensor) weight, on the whole matrix.
+
+        The basis needs the whole gradient, and Fira's and APOLLO's norms are over the whole
+        matrix, so every rank all-gathers the full gradient G and the full weight W, runs exactly
+        the single-process step on them (same basis on every rank: same inputs, same seeds), and
+        keeps its own shard of the updated W. The projected state (low-rank moments, basis) is
+        therefore replicated, not sharded: its size is already O((m + n) r).
+
+        Cost per projected m x n weight and step, world size N, itemsize s: two all-gathers (G and
+        W) of (N - 1)/N m n s bytes received each, and two transient full m x n buffers on every
+        rank (freed after the step); the basis computation is repeated on every rank instead of
+        being communicated. Gathering W keeps every subclass's update rule (in-place on W, weight
+        decay included) bitwise identical to a single process.
+        """
+        from torch.distributed.tensor import distribute_tensor
+
+        grad = p.grad.full_tensor()
+        weight = p.full_tensor()
+        self._projected_step(weight, grad, state, group)
+        # `weight` is identical on every rank: each keeps its own chunk, no communication.
+        p.copy_(distribute_tensor(weight, p.device_mesh, p.placements, src_data_rank=None))
 
     # ------------------------------------------------------------------ checkpoint
 

@@ -20,8 +20,11 @@ which costs O((m + n) r^2 + r^3) instead of the O(m n min(m, n)) of an SVD of B 
 llama_1b MLP shapes (m = 2048, n = 5461, r = 512) that is two skinny QRs and a 512 x 512 SVD
 (see benchmarks/refactorization.py for the measured speedup).
 
-Pure torch: knows nothing about modules, optimizers or distribution. Under FSDP2 pass full
-(unsharded) tensors.
+Pure torch: knows nothing about modules or optimizers. Under FSDP2 `refactorize_` accepts the
+sharded (DTensor) factors: each is gathered whole (`DTensor.full_tensor()`, one all-gather of B and
+of A per pair), every rank computes the same balanced split of the whole pair, and each writes back
+only its own shard, so refactorization operates on whole factors, identically on every rank
+(transient cost: one full B and A per pair at a time).
 """
 
 from __future__ import annotations
@@ -127,6 +130,29 @@ def refactorize_(pairs: Iterable[tuple[Tensor, Tensor]]) -> None:
         ValueError: see `balanced_factors`.
     """
     for B, A in pairs:
-        B_new, A_new = balanced_factors(B, A)
-        B.copy_(B_new)
-        A.copy_(A_new)
+        B_new, A_new = balanced_factors(_whole(B), _whole(A))
+        _write_(B, B_new)
+        _write_(A, A_new)
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch build without distributed support
+        return False
+    return isinstance(t, DTensor)
+
+
+def _whole(t: Tensor) -> Tensor:
+    """The full tensor: gathered across ranks for a sharded DTensor, `t` itself otherwise."""
+    return t.full_tensor() if _is_dtensor(t) else t
+
+
+def _write_(t: Tensor, new: Tensor) -> None:
+    """t <- new, where `new` is the whole tensor; a DTensor `t` keeps only its own shard of it."""
+    if _is_dtensor(t):
+        from torch.distributed.tensor import distribute_tensor
+
+        # `new` is identical on every rank: each takes its own chunk, no communication.
+        new = distribute_tensor(new.to(t.dtype), t.device_mesh, t.placements, src_data_rank=None)
+    t.copy_(new)
