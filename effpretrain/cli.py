@@ -197,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     args = _parser().parse_args(argv)
     try:
-        return {"train": cmd_train, "estimate": cmd_estimate, "eval": cmd_eval, "export": cmd_export}[args.cmd](args)
+        return {"train": cmd_train, "estimate": cmd_estimate, "eval": cmd_eval, "export": cmd_export}[
+            args.cmd
+        ](args)
     except ConfigError as e:
         print(f"effpretrain: error: {e}", file=sys.stderr)
         return 2

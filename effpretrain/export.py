@@ -41,7 +41,13 @@ def export(run_or_ckpt: str | Path, out: str | Path) -> Path:
         raise ConfigError(f"export: --out {out} exists and is not empty")
     model.save_pretrained(out, safe_serialization=True)
     _save_tokenizer(cfg, out)
-    log.info("exported %s (step %s, %d factorized layers merged) to %s", path, state["trainer"]["step"], merged, out)
+    log.info(
+        "exported %s (step %s, %d factorized layers merged) to %s",
+        path,
+        state["trainer"]["step"],
+        merged,
+        out,
+    )
     return out
 
 
@@ -58,5 +64,7 @@ def _save_tokenizer(cfg, out: Path) -> None:
     if not path.is_file():
         log.warning("built-in tokenizer not in the cache (%s); exported without a tokenizer", path)
         return
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token=data.EOS_TOKEN, pad_token=data.PAD_TOKEN)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_file=str(path), eos_token=data.EOS_TOKEN, pad_token=data.PAD_TOKEN
+    )
     tok.save_pretrained(out)

@@ -13,8 +13,16 @@ from effpretrain.export import export
 from effpretrain.trainer import build_run_model, train
 
 ROOT = Path(__file__).resolve().parent.parent
-SMALL = ["data.seq_len=32", "data.vocab_size=512", "train.batch_size=4", "train.eval_batches=2",
-         "train.max_steps=3", "train.eval_every=0", "train.plot=false", "factor.rank=8"]
+SMALL = [
+    "data.seq_len=32",
+    "data.vocab_size=512",
+    "train.batch_size=4",
+    "train.eval_batches=2",
+    "train.max_steps=3",
+    "train.eval_every=0",
+    "train.plot=false",
+    "factor.rank=8",
+]
 
 
 @pytest.mark.parametrize("recipe", ["lowrank_restarts", "sltrain", "relora"])
