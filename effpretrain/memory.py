@@ -14,7 +14,9 @@ Estimate, per rank, in bytes:
 
 ``dtype`` names the storage precision: ``fp32``; ``bf16`` (pure bf16: weights, grads and states in
 bf16, the paper's setting); ``bf16-mixed`` (fp32 weights/grads/states, bf16 activations).
-Under FSDP2 weights, grads and states are sharded over ranks; under DDP every rank holds all.
+Under FSDP2 weights, grads and full-rank states are sharded over ranks, while a projected matrix's
+low-rank moments and basis are computed from the gathered gradient and held whole on every rank
+(optimizers/base.py); under DDP every rank holds all.
 
 Measured: exact optimizer-state bytes from the state tensors, and peak memory (CUDA max allocated,
 or the process's peak RSS on CPU).
@@ -159,6 +161,7 @@ def estimate(
     proj_group = projection_group(optim_cfg) if projected else {}
 
     weights = grads = state = params = trainable = index_bytes = 0
+    replicated_state = 0  # projected params' low-rank state and basis: whole on every FSDP2 rank
     for spec in llama_param_specs(preset, vocab_size):
         if factor_kind != "none" and spec.kind == "target" and _is_target(spec.name, factor_targets):
             from effpretrain.models.factorized import factorized_param_counts
@@ -181,7 +184,10 @@ def estimate(
         params += numel
         trainable += numel
         is_proj = projected and spec.kind == "target" and _is_target(spec.name, targets)
-        state += optimizers.state_bytes(method, spec.shape, proj_group if is_proj else {}, pdtype)
+        if is_proj:
+            replicated_state += optimizers.state_bytes(method, spec.shape, proj_group, pdtype)
+        else:
+            state += optimizers.state_bytes(method, spec.shape, {}, pdtype)
     weights += index_bytes
 
     p = PRESETS[preset]
@@ -208,7 +214,7 @@ def estimate(
     return Estimate(
         weights=math.ceil(weights / shard),
         grads=math.ceil(grads / shard),
-        optimizer_state=math.ceil(state / shard),
+        optimizer_state=math.ceil(state / shard) + replicated_state,
         activations=acts,
         params=params,
         trainable_params=trainable,

@@ -85,3 +85,25 @@ def test_galore_state_formula_by_hand():
     others = 2 * (2 * V * h + (2 * L + 1) * h)  # AdamW moments of embeddings, head, norms
     est = estimate("llama_60m", "galore", dtype="bf16", optim_cfg=OptimConfig(name="galore", rank=r))
     assert est.optimizer_state == 2 * (L * per_layer + others)
+
+
+def test_fsdp2_per_rank_bytes_by_hand():
+    """llama_1b, GaLore r512, 8 ranks, FSDP2, bf16: weights, grads and the full-rank AdamW state of
+    embeddings/head/norms are sharded (ceil(x / 8)); each projected matrix's basis + low-rank moments
+    stay whole on every rank."""
+    from effpretrain.config import OptimConfig
+
+    h, i, r, V, L, W = 2048, 5461, 512, 32000, 24, 8
+    params = 2 * V * h + L * (4 * h * h + 3 * h * i + 2 * h) + h
+    proj_state = L * (4 * (h * r + 2 * r * h) + 3 * (h * r + 2 * r * i))  # elements, bf16
+    dense_state = 2 * (2 * V * h + (2 * L + 1) * h)
+    est = estimate(
+        "llama_1b",
+        "galore",
+        dtype="bf16",
+        optim_cfg=OptimConfig(name="galore", rank=r),
+        world_size=W,
+        sharding="fsdp2",
+    )
+    assert est.weights == est.grads == -(-2 * params // W)
+    assert est.optimizer_state == -(-2 * dense_state // W) + 2 * proj_state
