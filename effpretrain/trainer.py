@@ -212,9 +212,10 @@ def token_loss_sum(
         packed = bool(mask.all())
     attn = None if packed else mask
     logits = model(input_ids=batch["input_ids"], attention_mask=attn).logits
-    labels = batch["labels"][:, 1:]
+    # Shift the labels, not the logits: a sliced (B, T-1, V) view would cost a full copy of the logits.
+    labels = F.pad(batch["labels"][:, 1:], (0, 1), value=data_mod.IGNORE_INDEX)
     loss = F.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.size(-1)).float(),
+        logits.reshape(-1, logits.size(-1)).float(),
         labels.reshape(-1),
         ignore_index=data_mod.IGNORE_INDEX,
         reduction="sum",
