@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,28 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from distributed_helpers import COMMON, final, free_port, rel_diff
 
 from effpretrain.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ["adamw", "galore", "fira", "apollo", "lowrank_restarts", "sltrain"]
 RESUME_METHODS = ["galore", "lowrank_restarts"]
-COMMON = [
-    "data.seq_len=32",
-    "data.vocab_size=512",
-    "train.eval_batches=2",
-    "train.max_steps=20",
-    "train.eval_every=20",
-    "train.plot=false",
-    "train.log_every=5",
-    "optim.update_proj_gap=5",
-    "optim.rank=8",
-    "factor.rank=8",
-    "restarts.every=7",
-    "restarts.recovery_steps=3",
-    "optim.lr=1e-3",
-]
 
 WORKER = textwrap.dedent(
     """
@@ -62,21 +46,6 @@ WORKER = textwrap.dedent(
               resume=str(out / f"{m}-straight" / "checkpoints" / "step-10"))
     """
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def final(run: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(run / "checkpoints" / "step-20" / "model.safetensors"))
-
-
-def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k].float() - b[k].float()).norm() / b[k].float().norm().clamp_min(1e-12)) for k in a)
 
 
 @pytest.fixture(scope="module")
