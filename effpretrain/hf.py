@@ -167,12 +167,6 @@ def build_run_config(
     return validate(cfg, "create_optimizer")
 
 
-def _wrap_restarts(optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg: RunConfig) -> Restarts:
-    # The trainer's own wrapping rules (which pairs are refactorized, the ReLoRA merge hook),
-    # called rather than copied; only `cfg` of the trainer instance is read.
-    return trainer_mod.wrap_restarts(optimizer, model, cfg)
-
-
 # ----------------------------------------------------------------------------------------------
 # Optimizer factory
 
@@ -271,7 +265,7 @@ def create_optimizer(
     groups = trainer_mod.build_param_groups(model, cfg)
     opt = optimizers.build_optimizer(cfg.optim.name, groups, **trainer_mod.optimizer_kwargs(cfg))
     if cfg.restarts.every > 0:
-        opt = _wrap_restarts(opt, model, cfg)
+        opt = trainer_mod.wrap_restarts(opt, model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: trainer_mod.lr_factor(s, cfg))
     _CONFIGS[opt] = cfg
     return opt, sched
@@ -593,7 +587,7 @@ class EffPretrainCallback(TrainerCallback, ExportableState):
                 ),
             )
             r = cfg.restarts
-            self._restarts = _wrap_restarts(unwrap_optimizer(optimizer), model, cfg)
+            self._restarts = trainer_mod.wrap_restarts(unwrap_optimizer(optimizer), model, cfg)
             # The same condition under which the trainer's lr_factor applies the ramp.
             self._ramp = r.recovery_steps > 0 and (r.reset_momentum or cfg.factor.kind == "relora")
         if self.track_memory:

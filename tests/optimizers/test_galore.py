@@ -31,7 +31,9 @@ def reference_module(package: str, module: str) -> types.ModuleType:
         return importlib.import_module(name)
     spec = importlib.util.find_spec(package)
     if spec is None:
-        pytest.skip(f"{package} is not installed")
+        pytest.fail(
+            f"{package} is not installed: the reference tests need the dev extras (pip install -e '.[dev]')"
+        )
     shell = types.ModuleType(package)
     shell.__path__ = list(spec.submodule_search_locations or [])
     sys.modules[package] = shell

@@ -20,7 +20,9 @@ def _galore_projector_module() -> types.ModuleType:
     """
     spec = importlib.util.find_spec("galore_torch")
     if spec is None:
-        pytest.skip("galore-torch is not installed")
+        pytest.fail(
+            "galore-torch is not installed: the reference tests need the dev extras (pip install -e '.[dev]')"
+        )
     path = os.path.join(list(spec.submodule_search_locations or [])[0], "galore_projector.py")
     file_spec = importlib.util.spec_from_file_location("_galore_projector_reference", path)
     module = importlib.util.module_from_spec(file_spec)
