@@ -6,7 +6,7 @@ prints one row per shape:
 
 * amortized step: mean wall time per step over one refresh period of T = `--gap` steps,
   (t_refresh_step + (T - 1) t_step) / T, from medians of measured refresh steps and plain steps
-  (the two optimizers alternate step by step); "plain ratio" is ours / galore-torch's t_step;
+  (the two optimizers alternate step by step, and which goes first alternates too); "plain ratio" is ours / galore-torch's t_step;
 * refresh: wall time to compute the basis alone, best of the repetitions (ours: `compute_basis`
   with the randomized_svd defaults, cold start; galore-torch: its projector's thin SVD);
 * state bytes: tensors each optimizer holds for the weight (galore-torch's basis lives inside its
@@ -15,6 +15,7 @@ prints one row per shape:
   (cold start), the exact top-r SVD basis's, their ratio, and the ratio for a warm-started
   basis (what every refresh after the first computes), on gradients with a power-law spectrum.
 
+Each measurement follows an untimed warm-up of both sides (first-call costs are not steady state).
 Targets are printed beside the measured ratios and not asserted: state bytes <= galore-torch's,
 refresh <= 0.2 x, amortized step <= 0.9 x, captured energy within 1% of exact.
 
@@ -131,13 +132,23 @@ def bench_shape(
     refresh_step = {"ours": [], "ref": []}
     plain_step = {"ours": [], "ref": []}
     state = {}
-    for _ in range(args.reps):
-        pair = {kind: make(kind) for kind in ("ours", "ref")}
-        for kind, (_, opt) in pair.items():
-            refresh_step[kind].append(timed(opt.step, device))
-        for _ in range(args.steps):
-            for kind, (_, opt) in pair.items():
-                plain_step[kind].append(timed(opt.step, device))
+    # Untimed warm-up of both (first-call costs: allocator, BLAS/LAPACK workspaces, lazy imports).
+    warm = {kind: make(kind) for kind in ("ours", "ref")}
+    for _ in range(2):
+        for _, opt in warm.values():
+            opt.step()
+    del warm
+    steps = args.steps if args.steps is not None else (20 if m * n <= 1 << 20 else 5)
+    # Which one runs first alternates from round to round: the second of a pair finds caches
+    # warmed by the first (the same G), which would otherwise favour one side throughout.
+    orders = (("ours", "ref"), ("ref", "ours"))
+    for rep in range(args.reps):
+        pair = {kind: make(kind) for kind in orders[rep % 2]}
+        for kind in orders[rep % 2]:
+            refresh_step[kind].append(timed(pair[kind][1].step, device))
+        for i in range(steps):
+            for kind in orders[(rep + i) % 2]:
+                plain_step[kind].append(timed(pair[kind][1].step, device))
         state = {kind: state_bytes_of(opt) for kind, (_, opt) in pair.items()}
         del pair
 
@@ -147,15 +158,20 @@ def bench_shape(
     ref_projector = importlib.import_module("galore_torch.galore_projector").GaLoreProjector(
         rank, proj_type="std"
     )
-    for rep in range(args.reps):
-        t0 = time.perf_counter()
-        bases["ours"] = proj.compute_basis(grad, rank, side, "randomized_svd", seed=rep, refresh=1, **ours_kw)
-        sync(device)
-        refresh["ours"].append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        bases["ref"] = ref_projector.get_orthogonal_matrix(grad, rank, side)  # the exact top-r basis
-        sync(device)
-        refresh["ref"].append(time.perf_counter() - t0)
+    # A basis computation of a 60M-size matrix takes milliseconds: time it more often there.
+    refresh_reps = args.reps if m * n > 1 << 20 else max(args.reps, 7)
+    compute = {
+        "ours": lambda rep: proj.compute_basis(grad, rank, side, "randomized_svd", seed=rep, refresh=1, **ours_kw),
+        "ref": lambda rep: ref_projector.get_orthogonal_matrix(grad, rank, side),  # the exact top-r basis
+    }
+    for rep in range(-1, refresh_reps):  # rep -1 is an untimed warm-up
+        for kind in orders[rep % 2]:
+            t0 = time.perf_counter()
+            bases[kind] = compute[kind](rep)
+            sync(device)
+            refresh[kind].append(time.perf_counter() - t0)
+        if rep < 0:
+            refresh = {"ours": [], "ref": []}
 
     approx, exact = bases["ours"], bases["ref"]
     g2 = float(grad.norm() ** 2)
@@ -193,7 +209,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sizes", default="60m,1b", help="comma list of: " + ", ".join(SIZES))
     ap.add_argument("--quick", action="store_true", help="fewer matrices and repetitions (CPU smoke run)")
     ap.add_argument("--gap", type=int, default=200, help="update_proj_gap T the step time is amortized over")
-    ap.add_argument("--steps", type=int, default=None, help="plain steps timed per repetition")
+    ap.add_argument(
+        "--steps", type=int, default=None, help="plain steps timed per repetition (default 20; 5 above 1M entries)"
+    )
     ap.add_argument("--reps", type=int, default=None, help="repetitions (medians are reported)")
     ap.add_argument("--oversample", type=int, default=proj.DEFAULT_OVERSAMPLE, help="randomized_svd p")
     ap.add_argument("--power-iters", type=int, default=proj.DEFAULT_POWER_ITERS, help="randomized_svd q")
@@ -201,8 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args(argv)
-    args.steps = args.steps if args.steps is not None else (5 if args.quick else 10)
-    args.reps = args.reps if args.reps is not None else (2 if args.quick else 3)
+    args.reps = args.reps if args.reps is not None else 3
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -212,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"device={device} threads={torch.get_num_threads()} torch={torch.__version__} gap={args.gap} "
         f"randomized_svd(p={args.oversample}, q={args.power_iters}) spectrum=(i+1)^-{args.decay} "
-        f"reps={args.reps} steps={args.steps}"
+        f"reps={args.reps} steps={args.steps or 'auto'}"
     )
     header = (
         f"{'size':>4} {'shape':>11} {'r':>4} | {'amortized step s':>22} {'ratio':>6} {'plain':>6} | "

@@ -50,7 +50,8 @@ class GaLoreAdamW(ProjectedAdam):
         basis = self._current_basis(p, grad, state, group)
         if basis is None:
             return
-        norm, step_size = self._adam(proj.project(grad, basis, side), state, group)
+        # R is needed only inside Adam: its buffer receives N (no further temporaries).
+        norm, step_size = self._adam(proj.project(grad, basis, side), state, group, reuse_x=True)
         # W <- W - eta_t alpha back(N) as one fused addmm_: no m x n temporary for back(N).
         self._decay(p, group, before=True)
         left, right = (norm, basis) if side == "right" else (basis, norm)

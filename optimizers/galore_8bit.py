@@ -107,8 +107,9 @@ class GaLoreAdamW8bit(GaLoreAdamW):
             state[f"{key}_absmax"] = qs.absmax.reshape(blocks).to(torch.float32)
 
     def _adam(
-        self, x: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
+        self, x: torch.Tensor, state: dict[str, Any], group: dict[str, Any], reuse_x: bool = False
     ) -> tuple[torch.Tensor, float]:
+        # reuse_x is a hint only: the 8-bit path works on dequantised fp32 copies anyway.
         state["step"] += 1
         m_q, v_q = state["exp_avg"], state["exp_avg_sq"]
         x32 = x.float()

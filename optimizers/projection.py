@@ -19,14 +19,15 @@ Methods (`method` argument, the optimizers' ``basis`` group key):
 * ``"svd"``: thin SVD of G (``torch.linalg.svd(full_matrices=False)``), top-r singular vectors;
   numerically the same basis galore-torch and fira compute.
 * ``"randomized_svd"``: Halko, Martinsson and Tropp (2011), Alg. 4.4: a Gaussian sketch with
-  k = r + p columns (p = `oversample`), `power_iters` (q) rounds of subspace iteration with
-  re-orthonormalisation (pivoted-LU normalisation between rounds, CholeskyQR2 at the end, a
-  Householder QR only as fallback), then Rayleigh-Ritz: the top-r eigenvectors of the small
-  k x k Gram of Q^T G. With `prev` (the previous basis) the sketch starts from it (warm start)
-  and only the p extra columns are random. The Gaussian draws come from a ``torch.Generator``
-  seeded by ``mix_seed(seed, refresh)``, so a basis is reproducible from (G, seed, refresh, prev).
-  Defaults p = 8, q = 1: within 1% of the exact basis's captured energy on power-law spectra at
-  a fraction of the SVD's cost (benchmarks/optimizer_step.py).
+  k = r + p columns (p = `oversample`), `power_iters` (q) rounds of subspace iteration
+  (pivoted-LU normalisation between rounds, Householder QR where orthonormal columns are
+  needed), the last round finished by Rayleigh-Ritz on the other side of G, which saves one of
+  Halko's products (see `_randomized_left_vectors`); the top-r vectors come from the
+  eigenvectors of a small k x k Gram. With `prev` (the previous basis) the sketch starts from
+  it (warm start) and only the p extra columns are random. The Gaussian draws come from a
+  ``torch.Generator`` seeded by ``mix_seed(seed, refresh)``, so a basis is reproducible from
+  (G, seed, refresh, prev). Defaults p = 8, q = 1: within 1% of the exact basis's captured
+  energy on power-law spectra at a fraction of the SVD's cost (benchmarks/optimizer_step.py).
 * ``"random"``: APOLLO's projection (PAPER.md 2.5): i.i.d. N(0, 1/r) entries drawn from a
   generator seeded by ``mix_seed(seed, refresh)``. It is a Johnson-Lindenstrauss map
   (E[P^T P] = I for the right side), NOT orthonormal, and never needs storing: it is regenerated
@@ -225,57 +226,39 @@ def _finite(x: torch.Tensor) -> bool:
     return bool(torch.isfinite(x.sum()))
 
 
-def _times_inverse_upper(y: torch.Tensor, upper: torch.Tensor) -> torch.Tensor:
-    """Y U^{-1} for a small upper-triangular U: invert U in fp64, then one matrix product.
-
-    A product is far faster on CPU than a triangular solve against a tall row-major Y (which
-    LAPACK first transposes); the inverse only has to be accurate enough to condition Y.
-    """
-    eye = torch.eye(upper.shape[0], dtype=torch.float64, device=upper.device)
-    inv = torch.linalg.solve_triangular(upper.double(), eye, upper=True)
-    return y @ inv.to(y.dtype)
-
-
 def _lu_normalize(y: torch.Tensor) -> torch.Tensor:
     """Y U^{-1} from Y = P L U: same span as Y, well-conditioned columns (= P L, |L_ij| <= 1).
 
-    The cheap normaliser between power steps (as scikit-learn's): a pivoted LU of a tall
-    matrix is several times faster than a Householder QR on CPU. Not finite when Y is rank
-    deficient (a zero pivot); callers then fall back to QR.
+    The cheap normaliser between power steps (as scikit-learn's): a pivoted LU and one triangular
+    solve cost about half a Householder QR of the same tall matrix on CPU. Not finite when Y is
+    rank deficient (a zero pivot); `_span_normalize` then falls back to QR.
     """
     lu, _, _ = torch.linalg.lu_factor_ex(y)  # no error check: a zero pivot surfaces as inf/nan
     k = y.shape[1]
-    return _times_inverse_upper(y, lu[:k, :k].triu())
-
-
-def _cholesky_qr2(y: torch.Tensor) -> torch.Tensor | None:
-    """Orthonormal Q with span(Q) = span(Y) by CholeskyQR2 (Gram in Y's dtype, Cholesky in fp64).
-
-    Two rounds of Q = Y R^{-1}, R^T R = Y^T Y: matrix products instead of a Householder QR, and
-    orthonormal to working precision once cond(Y) is moderate (true after `_lu_normalize`).
-    Returns None when a Cholesky factorisation breaks down.
-    """
-    for _ in range(2):
-        chol, info = torch.linalg.cholesky_ex((y.t() @ y).double())
-        if int(info) != 0:
-            return None
-        y = _times_inverse_upper(y, chol.t())
-    return y
-
-
-def _orthonormal(y: torch.Tensor) -> torch.Tensor:
-    """Orthonormal basis of span(Y): LU normalisation + CholeskyQR2, Householder QR as fallback."""
-    z = _lu_normalize(y)
-    q = _cholesky_qr2(z) if _finite(z) else None
-    if q is None or not _finite(q):
-        q = torch.linalg.qr(y, mode="reduced")[0]
-    return q
+    return torch.linalg.solve_triangular(lu[:k, :k].triu(), y, upper=True, left=False)
 
 
 def _span_normalize(y: torch.Tensor) -> torch.Tensor:
     """`_lu_normalize`, or a QR when that is not finite (rank-deficient Y)."""
     z = _lu_normalize(y)
-    return z if _finite(z) else torch.linalg.qr(y, mode="reduced")[0]
+    return z if _finite(z) else _orth(y)
+
+
+def _orth(y: torch.Tensor) -> torch.Tensor:
+    """Orthonormal columns spanning Y (Householder QR: orthonormal even when Y is rank deficient)."""
+    return torch.linalg.qr(y, mode="reduced")[0]
+
+
+def _top_left(c: torch.Tensor, r: int) -> torch.Tensor:
+    """Top-r left singular vectors of a tall-or-square C (rows x k, k small), orthonormal.
+
+    From the k x k Gram: C V = U S with V the top eigenvectors of C^T C; the columns of C V are
+    orthogonal in exact arithmetic and are re-orthonormalised by one QR (which keeps their
+    order, so column i still points along the i-th singular direction).
+    """
+    evals, evecs = torch.linalg.eigh(c.t() @ c)  # fp32: the Gram of a k-column block
+    top = evecs[:, torch.argsort(evals, descending=True)[:r]]
+    return _orth(c @ top)
 
 
 def _randomized_left_vectors(
@@ -288,34 +271,40 @@ def _randomized_left_vectors(
 ) -> torch.Tensor:
     """Top-r left singular vectors of `a` (rows x cols) by randomized subspace iteration.
 
-    Halko et al. Alg. 4.3/4.4: Y = A Omega (Omega cols x k Gaussian, k = r + p); q times
-    Y = A A^T norm(Y); Q = orth(Y). Then with B = Q^T A, the top-r eigenvectors U_B of the
-    k x k Gram B B^T (eigh) give U = Q U_B[:, :r]. Only matrix products and k x k
-    factorisations are used: on CPU a Householder QR or an SVD of a (rows x k) matrix costs
-    many times a product with A. With `init` (rows x r0,
-    orthonormal) the first block is A (A^T init) instead of A Omega: a power step started
-    from the previous subspace, which already holds most of the new one when gradients drift.
+    Sketch: Y = A Omega (Omega cols x k Gaussian, k = r + p), or with `init` (rows x r0, the
+    previous basis, orthonormal) Y = [init | A Omega'] where only the k - r0 extra columns are
+    random: the previous subspace already holds most of the new one when gradients drift.
+
+    q = `power_iters` rounds of subspace iteration follow (Halko et al. 2011, Alg. 4.4). The
+    last round ends with Rayleigh-Ritz on the right-hand side instead of Halko's left-hand one:
+    W = orth(A^T norm(Y)), C = A W, U = the top-r left singular vectors of C. range(C) is the
+    subspace Halko's round gives, and C costs the product that his B = Q^T A would; the product
+    he spends forming Y = A W before it is saved. So a cold start costs 2q + 1 products with A,
+    a warm start 2q plus one with p columns. With q = 0 the sketch itself is the subspace:
+    U = top-r left singular vectors of Q Q^T A, Q = orth(Y) (one more product).
     """
     rows, cols = a.shape
     k = min(r + max(int(oversample), 0), rows, cols)
     blocks = []
     if init is not None:
         init = init[:, :k]
-        blocks.append(a @ (a.t() @ init))
+        blocks.append(init)
     extra = k - (init.shape[1] if init is not None else 0)
     if extra > 0:
         omega = torch.randn(cols, extra, generator=generator, device=a.device, dtype=a.dtype)
         blocks.append(a @ omega)
     y = torch.cat(blocks, dim=1) if len(blocks) > 1 else blocks[0]
-    for _ in range(int(power_iters)):
+    if int(power_iters) <= 0:
+        q = _orth(y)
+        bt = a.t() @ q  # B^T = (Q^T A)^T, cols x k
+        evals, evecs = torch.linalg.eigh(bt.t() @ bt)
+        return q @ evecs[:, torch.argsort(evals, descending=True)[:r]]
+    for _ in range(int(power_iters) - 1):
         # One normalisation per round suffices: a single product with A^T A grows cond(Y) by
-        # (sigma_1 / sigma_k)^2 at most, which the LU inside `_orthonormal` absorbs.
+        # (sigma_1 / sigma_k)^2 at most, which the LU absorbs.
         y = a @ (a.t() @ _span_normalize(y))
-    q = _orthonormal(y)
-    bt = a.t() @ q  # B^T, cols x k
-    evals, evecs = torch.linalg.eigh(bt.t() @ bt)  # fp32: the Gram itself is fp32-accurate
-    top = evecs[:, torch.argsort(evals, descending=True)[:r]]
-    return q @ top
+    w = _orth(a.t() @ _span_normalize(y))
+    return _top_left(a @ w, r)
 
 
 def randomized_svd_basis(
@@ -339,9 +328,9 @@ def randomized_svd_basis(
         generator: source of the Gaussian sketch (a fresh default-seeded one when None).
         prev: previous basis in the same layout (any dtype) for a warm start, or None.
 
-    Cost: (2q + 2) products of G with a k-column block (2 m n k flops each; one more with a warm
-    start) plus O((m + n) k^2) for LUs, CholeskyQR2 and the Gram, and O(k^3) for a k x k eigh:
-    against O(m n min(m, n)) with a large constant for the exact SVD.
+    Cost: 2q + 1 products of G with a k-column block (2 m n k flops each; a warm start replaces
+    one by a product with p columns) plus O((m + n) k^2) for LUs, QRs and the Gram, and O(k^3)
+    for a k x k eigh: against O(m n min(m, n)) with a large constant for the exact SVD.
     """
     if generator is None:
         generator = torch.Generator(device=g32.device).manual_seed(0)

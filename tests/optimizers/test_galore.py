@@ -288,6 +288,21 @@ def test_zero_gradient_dummy_step_computes_no_basis_and_keeps_the_schedule() -> 
     assert opt.refresh_count == fresh.refresh_count == 4
 
 
+def test_large_gradient_zero_only_at_sampled_entries_still_steps() -> None:
+    """Zero detection samples large gradients first: a gradient that is zero at every sampled
+    entry but not elsewhere must still step, and an all-zero one must not."""
+    w = torch.nn.Parameter(torch.zeros(128, 96))  # 12288 entries: sampled, every 48th entry
+    opt = GaLoreAdamW([{"params": [w], "rank": 4}], lr=1e-2)
+    w.grad = torch.zeros_like(w)
+    opt.step()
+    assert opt.state[w]["step"] == 0 and opt.refresh_count == 0
+    g = torch.randn(128, 96, generator=torch.Generator().manual_seed(0))
+    g.view(-1)[:: w.numel() // 256] = 0.0  # exactly the sampled entries
+    w.grad = g
+    opt.step()
+    assert opt.state[w]["step"] == 1 and opt.refresh_count == 1 and w.detach().abs().sum() > 0
+
+
 def test_non_finite_gradient_keeps_previous_basis_with_one_warning() -> None:
     proj.reset_failure_warning()
     params = _params()
