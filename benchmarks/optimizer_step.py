@@ -161,7 +161,9 @@ def bench_shape(
     # A basis computation of a 60M-size matrix takes milliseconds: time it more often there.
     refresh_reps = args.reps if m * n > 1 << 20 else max(args.reps, 7)
     compute = {
-        "ours": lambda rep: proj.compute_basis(grad, rank, side, "randomized_svd", seed=rep, refresh=1, **ours_kw),
+        "ours": lambda rep: proj.compute_basis(
+            grad, rank, side, "randomized_svd", seed=rep, refresh=1, **ours_kw
+        ),
         "ref": lambda rep: ref_projector.get_orthogonal_matrix(grad, rank, side),  # the exact top-r basis
     }
     for rep in range(-1, refresh_reps):  # rep -1 is an untimed warm-up
@@ -210,7 +212,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="fewer matrices and repetitions (CPU smoke run)")
     ap.add_argument("--gap", type=int, default=200, help="update_proj_gap T the step time is amortized over")
     ap.add_argument(
-        "--steps", type=int, default=None, help="plain steps timed per repetition (default 20; 5 above 1M entries)"
+        "--steps",
+        type=int,
+        default=None,
+        help="plain steps timed per repetition (default 20; 5 above 1M entries)",
     )
     ap.add_argument("--reps", type=int, default=None, help="repetitions (medians are reported)")
     ap.add_argument("--oversample", type=int, default=proj.DEFAULT_OVERSAMPLE, help="randomized_svd p")

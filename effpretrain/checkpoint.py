@@ -4,6 +4,9 @@ A checkpoint is a folder ``checkpoints/step-N/`` holding:
 
 - ``model.safetensors``: the model's state_dict (parameters and persistent buffers);
 - ``optimizer.pt``: the optimizer's state_dict (tensors and plain numbers only);
+- or, for FSDP2 runs, instead of those two: ``dcp/``, the model's and optimizer's tensors written
+  shard by shard by every rank with torch.distributed.checkpoint (effpretrain/fsdp.py), the
+  optimizer's non-tensor part being kept in ``trainer.pt``;
 - ``trainer.pt``: step, tokens, data-stream position, scheduler state, RNG states, event counters;
 - ``config.yaml``: the resolved config;
 - ``COMPLETE``: written last; a folder without it does not count.
@@ -46,33 +49,49 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(
-    ckpt_root: Path,
-    step: int,
-    model_state: dict[str, torch.Tensor],
-    optimizer_state: dict[str, Any],
-    trainer_state: dict[str, Any],
-    config_yaml: str,
-    keep: int = 2,
-) -> Path:
-    """Writes checkpoint `step` atomically and prunes old ones, keeping the newest `keep` complete."""
-    from safetensors.torch import save_file
-
+def temp_folder(ckpt_root: Path, step: int) -> Path:
+    """A fresh, empty temporary folder for checkpoint `step` (named after this process)."""
     ckpt_root.mkdir(parents=True, exist_ok=True)
-    final = ckpt_root / f"step-{step}"
     tmp = ckpt_root / f"step-{step}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    # safetensors refuses shared or non-contiguous storage; clone what needs it.
-    tensors = {k: v.detach().contiguous().cpu() for k, v in model_state.items()}
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"step": str(step)})
-    torch.save(optimizer_state, tmp / "optimizer.pt")
+    return tmp
+
+
+def save_checkpoint(
+    ckpt_root: Path,
+    step: int,
+    model_state: dict[str, torch.Tensor] | None,
+    optimizer_state: dict[str, Any] | None,
+    trainer_state: dict[str, Any],
+    config_yaml: str,
+    keep: int = 2,
+    tmp: Path | None = None,
+) -> Path:
+    """Writes checkpoint `step` atomically and prunes old ones, keeping the newest `keep` complete.
+
+    With `tmp` (a `temp_folder` that other ranks already wrote a ``dcp/`` sharded state into),
+    `model_state` and `optimizer_state` are None and only the remaining files are added before
+    the folder is committed.
+    """
+    from safetensors.torch import save_file
+
+    final = ckpt_root / f"step-{step}"
+    if tmp is None:
+        tmp = temp_folder(ckpt_root, step)
+    if model_state is not None:
+        # safetensors refuses shared or non-contiguous storage; clone what needs it.
+        tensors = {k: v.detach().contiguous().cpu() for k, v in model_state.items()}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"step": str(step)})
+    if optimizer_state is not None:
+        torch.save(optimizer_state, tmp / "optimizer.pt")
     torch.save(trainer_state, tmp / "trainer.pt")
     (tmp / "config.yaml").write_text(config_yaml)
     for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+        if f.is_file():  # dcp/ was synced by its writer (FileSystemWriter(sync_files=True))
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
     (tmp / MARKER).write_text(json.dumps({"step": step, "files": sorted(p.name for p in tmp.iterdir())}))
     _fsync_dir(tmp)
     if final.exists():
@@ -113,12 +132,22 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 
     if not (path / MARKER).is_file():
         raise ConfigError(f"checkpoint {path} is incomplete (no {MARKER} marker)")
-    try:
-        model = load_file(str(path / "model.safetensors"))
-    except Exception as e:
-        raise ConfigError(f"checkpoint {path}: model.safetensors unreadable ({type(e).__name__})") from None
-    out: dict[str, Any] = {"model": model, "path": path}
-    for name in ("optimizer", "trainer"):
+    out: dict[str, Any] = {"path": path, "sharded": (path / "dcp").is_dir()}
+    if out["sharded"]:
+        # FSDP2: tensors are read by the trainer's ranks (fsdp.load_sharded) or `read_model_state`.
+        if not (path / "dcp" / ".metadata").is_file():
+            raise ConfigError(f"checkpoint {path}: dcp/.metadata is missing")
+        out["model"] = out["optimizer"] = None
+        names = ("trainer",)
+    else:
+        try:
+            out["model"] = load_file(str(path / "model.safetensors"))
+        except Exception as e:
+            raise ConfigError(
+                f"checkpoint {path}: model.safetensors unreadable ({type(e).__name__})"
+            ) from None
+        names = ("optimizer", "trainer")
+    for name in names:
         f = path / f"{name}.pt"
         try:
             out[name] = torch.load(f, map_location="cpu", weights_only=True)
@@ -129,6 +158,21 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
             msg = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
             raise ConfigError(f"checkpoint {path}: {f.name} refused or corrupt ({msg})") from None
     return out
+
+
+def read_model_state(path: Path) -> dict[str, torch.Tensor]:
+    """The whole model state dict of checkpoint folder `path`, in this process, on CPU, whichever
+    way it was written (safetensors, or FSDP2's sharded dcp/); ConfigError if unreadable."""
+    state = load_checkpoint(path)
+    if not state["sharded"]:
+        return state["model"]
+    from effpretrain import fsdp
+
+    try:
+        return fsdp.read_model_state(path / "dcp")
+    except Exception as e:
+        msg = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        raise ConfigError(f"checkpoint {path}: dcp/ unreadable ({msg})") from None
 
 
 def find_resume(run_dir: Path, resume: str) -> Path | None:

@@ -174,9 +174,25 @@ def cmd_eval(args) -> int:
     cfg = validate(
         apply_overrides(from_dict(state["trainer"]["config"], str(path)), args.overrides), str(path)
     )
-    tmp_out = path.parent.parent
-    trainer = Trainer(cfg, tmp_out, resume=str(path), allow_config_change=True)
-    loss, ppl = trainer.evaluate()
+    if state["sharded"]:
+        # An FSDP2 run's checkpoint: evaluate its whole model in this (single) process, with a
+        # fresh trainer (an empty scratch folder: nothing of the run is touched).
+        import tempfile
+
+        from effpretrain.checkpoint import read_model_state
+
+        weights = read_model_state(path)
+        with tempfile.TemporaryDirectory() as scratch:
+            trainer = Trainer(cfg, Path(scratch))
+            model = trainer.acc.unwrap_model(trainer.model)
+            missing, unexpected = model.load_state_dict(weights, strict=False)
+            if unexpected or [k for k in missing if k in dict(model.named_parameters())]:
+                raise ConfigError(f"eval: checkpoint {path} does not match its config's model")
+            trainer.progress.step = int(state["trainer"]["step"])
+            loss, ppl = trainer.evaluate()
+    else:
+        trainer = Trainer(cfg, path.parent.parent, resume=str(path), allow_config_change=True)
+        loss, ppl = trainer.evaluate()
     print(
         json.dumps({"checkpoint": str(path), "step": trainer.progress.step, "val_loss": loss, "val_ppl": ppl})
     )

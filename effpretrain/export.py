@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from effpretrain.checkpoint import find_resume, load_checkpoint
+from effpretrain.checkpoint import find_resume, load_checkpoint, read_model_state
 from effpretrain.config import ConfigError, from_dict, validate
 
 log = logging.getLogger("effpretrain")
@@ -29,9 +29,10 @@ def export(run_or_ckpt: str | Path, out: str | Path) -> Path:
         raise ConfigError(f"export: {run_or_ckpt} holds no complete checkpoint")
     state = load_checkpoint(path)
     cfg = validate(from_dict(state["trainer"]["config"], str(path)), str(path))
-    vocab = state["model"]["model.embed_tokens.weight"].shape[0]
+    weights = read_model_state(path)  # whole, also from an FSDP2 run's sharded dcp/
+    vocab = weights["model.embed_tokens.weight"].shape[0]
     model, _ = build_run_model(cfg, vocab)
-    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
     if unexpected or [k for k in missing if k in dict(model.named_parameters())]:
         raise ConfigError(f"export: checkpoint {path} does not match its config's model")
     merged = merge_factorized_(model)

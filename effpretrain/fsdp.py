@@ -1,4 +1,4 @@
-"""FSDP2 (torch's `fully_shard`) for the trainer: sharding, gradient norms, full-state checkpoints.
+"""FSDP2 (torch's `fully_shard`) for the trainer: sharding, gradient norms, sharded checkpoints.
 
 Accelerate's FSDP plugin silently falls back to DDP on CPU, so the trainer applies torch's own
 `torch.distributed.fsdp.fully_shard` itself (each decoder layer, then the root) and checks that
@@ -7,24 +7,33 @@ it got real sharding: every parameter becomes a DTensor sharded on dim 0 across 
 layer's parameters, backward reduce-scatters (averages) its gradients, and the optimizer steps
 on the local shards, so element-wise optimizers (AdamW, the factorized methods) need no change.
 
-Checkpoints gather a *full* state to rank 0 (`get_model_state_dict(full_state_dict=True,
-cpu_offload=True)`, and every sharded optimizer state tensor through `DTensor.full_tensor()`) and
-write the same files as a DDP or single-process run; every rank reads them back on resume and
-keeps its own shard (`set_model_state_dict(full_state_dict=True)`, `distribute_tensor` for the
-optimizer). This costs one full model + optimizer state in rank 0's CPU memory while saving, in
-exchange for one checkpoint format for every launch mode; torch.distributed.checkpoint (one file
-per rank) would avoid that peak at 1B+ scale and is the upgrade path.
+Checkpoints use torch.distributed.checkpoint (DCP): `save_sharded` writes the model's and the
+optimizer's tensors into ``step-N/dcp/`` with every rank writing only its own shards (one
+``__<rank>_0.distcp`` file each, plus rank 0's ``.metadata``), so no rank ever holds a full
+model or optimizer state; state that is whole on every rank (projected low-rank state, the 8-bit
+methods' state, scalars) is written once. What is not a tensor (step counters, param groups,
+the restart counters) goes into ``trainer.pt`` as a "skeleton" whose tensor leaves are
+placeholders naming their DCP key, shape, strides and whether they were sharded. `load_sharded`
+allocates each tensor as it was (a DTensor laid out like its parameter, or a plain tensor with
+the saved strides), lets DCP fill it in place (each rank reads only its shards) and hands the
+rebuilt state dict to the optimizer. `read_model_state` reads the model back whole in a single
+process (export, eval). The folder is written under a temporary name and renamed by rank 0 once
+every rank has finished (effpretrain.checkpoint), so the checkpoint is complete or absent.
+On several machines the checkpoint folder must be on a file system every rank can reach.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
 
 from effpretrain.config import ConfigError
+from optimizers._sharded import local, sum_squares_fp64
 
 
 def apply_fsdp2(model: torch.nn.Module) -> torch.nn.Module:
@@ -49,91 +58,159 @@ def check_sharded(model: torch.nn.Module) -> None:
             raise ConfigError(f"dist.sharding=fsdp2 asked for but parameter {name} is not sharded ({got})")
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of `t` (its shard for a DTensor, `t` itself otherwise)."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor on every rank (a collective for a DTensor; `t` itself otherwise)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def shard_like(value: torch.Tensor, ref: DTensor) -> DTensor:
-    """`value` (the full tensor, identical on every rank) as a DTensor laid out like `ref`.
-
-    Each rank keeps its own chunk of its own copy (no communication, `src_data_rank=None`).
-    """
-    return distribute_tensor(value.to(ref.device), ref.device_mesh, ref.placements, src_data_rank=None)
-
-
 def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> float:
     """Global gradient norm over all (sharded or plain) gradients, clipped to `max_norm` if > 0.
 
-    For DTensor gradients the per-shard norms are combined across ranks (`full_tensor()` of
-    the partial total), so the returned norm and the clip coefficient are those of the whole
-    model, identical on every rank.
+    The norm is the same number however the gradients are split: every rank sums the squares
+    of its own part (a DTensor's local shard, or the whole tensor) in fp64, the sharded partial
+    sums are added across ranks (one all-reduce), and only the square root is rounded to fp32.
+    fp64 sums of the same terms in another order agree to ~1e-13 relative, far below fp32's
+    resolution, so one process, DDP and FSDP2 get the same fp32 norm and clip coefficient (up to
+    a tie at an fp32 rounding boundary), and clipping keeps them bitwise equal whenever the
+    gradients themselves are (an fp32 norm summed per shard differs in the last bits, which a
+    basis or refactorization SVD then amplifies).
+
+    Returns:
+        The total norm (before clipping), identical on every rank.
     """
     params = [p for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
-    total = full(total)
+    if not params:
+        return 0.0
+    dev = local(params[0].grad).device
+    sharded = torch.zeros((), dtype=torch.float64, device=dev)
+    whole = torch.zeros((), dtype=torch.float64, device=dev)
+    mesh = None
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and any(isinstance(pl, Shard) for pl in g.placements):
+            sharded += sum_squares_fp64(g.to_local())
+            mesh = g.device_mesh
+        else:
+            whole += sum_squares_fp64(local(g))
+    if mesh is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(sharded, group=mesh.get_group())
+    total = (sharded + whole).sqrt().float()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's clip_grad_norm_ rule
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in params:
+            by_dtype.setdefault(p.grad.dtype, []).append(local(p.grad))
+        for dtype, grads in by_dtype.items():
+            torch._foreach_mul_(grads, coef.to(dtype))
     return float(total)
 
 
-def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model state dict on rank 0 (CPU), empty on the other ranks (a collective)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+_PLACEHOLDER = "__dcp__"
 
 
-def load_full_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> tuple[list, list]:
-    """Loads a full state dict (present on every rank) into the sharded model; (missing, unexpected)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+def _split(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """`obj` with every tensor leaf moved into `tensors` (key `path`) and replaced by a placeholder."""
+    if torch.is_tensor(obj):
+        sharded = isinstance(obj, DTensor)
+        tensors[path] = obj
+        return {
+            _PLACEHOLDER: path,
+            "sharded": sharded,
+            "dtype": str(obj.dtype).removeprefix("torch."),
+            "shape": list(obj.shape),
+            "stride": None if sharded else list(obj.stride()),
+        }
+    if isinstance(obj, dict):
+        return {k: _split(v, f"{path}/{k}", tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        out = [_split(v, f"{path}/{i}", tensors) for i, v in enumerate(obj)]
+        return out if isinstance(obj, list) else tuple(out)
+    return obj
 
-    res = set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
-    return list(res.missing_keys), list(res.unexpected_keys)
+
+def _is_placeholder(obj: Any) -> bool:
+    return isinstance(obj, dict) and _PLACEHOLDER in obj
 
 
-def full_optimizer_state(opt: torch.optim.Optimizer) -> tuple[dict[str, Any], list[list[Any]]]:
-    """`opt.state_dict()` with every DTensor state entry gathered to a full CPU tensor.
+def _fill(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of `_split`: placeholders replaced by `tensors[key]`."""
+    if _is_placeholder(obj):
+        return tensors[obj[_PLACEHOLDER]]
+    if isinstance(obj, dict):
+        return {k: _fill(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        out = [_fill(v, tensors) for v in obj]
+        return out if isinstance(obj, list) else tuple(out)
+    return obj
 
-    Returns the state dict (torch's id-keyed format, as a single process saves it) and the
-    [param id, key] pairs that were sharded, which `load_full_optimizer_state` needs to shard
-    them again. A collective: every rank calls it and gets the same result.
+
+def _placeholders(obj: Any) -> list[dict[str, Any]]:
+    if _is_placeholder(obj):
+        return [obj]
+    if isinstance(obj, dict):
+        return [p for v in obj.values() for p in _placeholders(v)]
+    if isinstance(obj, (list, tuple)):
+        return [p for v in obj for p in _placeholders(v)]
+    return []
+
+
+def save_sharded(folder: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """Writes the model's and optimizer's tensors to `folder` with DCP (a collective: every rank).
+
+    Returns the optimizer state dict's skeleton (identical on every rank), for ``trainer.pt``.
     """
-    sd = dict(opt.state_dict())
-    sharded: list[list[Any]] = []
-    state = {}
-    for pid, st in sd["state"].items():
-        new = {}
-        for k, v in st.items():  # never mutate `st`: it is the live optimizer state
-            if isinstance(v, DTensor):
-                new[k] = v.full_tensor().cpu()
-                sharded.append([pid, k])
-            else:
-                new[k] = v
-        state[pid] = new
-    sd["state"] = state
-    return sd, sharded
+    import torch.distributed.checkpoint as dcp
+
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = _split(opt.state_dict(), "optim", tensors)
+    dcp.save({"model": model.state_dict(), "optim": tensors}, checkpoint_id=str(folder))
+    return skeleton
 
 
-def load_full_optimizer_state(
-    opt: torch.optim.Optimizer, sd: dict[str, Any], sharded: list[list[Any]]
+def load_sharded(
+    folder: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, skeleton: dict[str, Any]
 ) -> None:
-    """Loads a `full_optimizer_state` dict: entries listed in `sharded` become shards of their param."""
+    """Reads a `save_sharded` checkpoint into the sharded model and the optimizer (every rank).
+
+    Raises ValueError naming the first tensor that does not fit this model or optimizer.
+    """
+    import torch.distributed.checkpoint as dcp
+
     params = [p for g in opt.param_groups for p in g["params"]]
-    ids = [i for g in sd["param_groups"] for i in g["params"]]
+    ids = [i for g in skeleton["param_groups"] for i in g["params"]]
     if len(ids) != len(params):
         raise ValueError(f"{len(ids)} parameters in the saved optimizer, {len(params)} in this one")
     by_id = dict(zip(ids, params))
-    sd = dict(sd)
-    sd["state"] = {pid: dict(st) for pid, st in sd["state"].items()}
-    for pid, k in sharded:
-        p = by_id[pid]
-        if not isinstance(p, DTensor):
-            raise ValueError(f"state {k!r} of parameter {pid} was sharded but the parameter is not")
-        sd["state"][pid][k] = shard_like(sd["state"][pid][k], p)
-    opt.load_state_dict(sd)
+    tensors: dict[str, torch.Tensor] = {}
+    for ph in _placeholders(skeleton):
+        key, dtype = ph[_PLACEHOLDER], getattr(torch, ph["dtype"])
+        if ph["sharded"]:
+            pid = int(key.split("/")[2])  # optim/state/<param id>/<state key>
+            p = by_id.get(pid)
+            if not isinstance(p, DTensor) or list(p.shape) != ph["shape"]:
+                raise ValueError(f"sharded state {key} {ph['shape']} does not fit its parameter")
+            tensors[key] = torch.zeros_like(p, dtype=dtype)
+        else:
+            tensors[key] = torch.empty_strided(ph["shape"], ph["stride"], dtype=dtype)
+    state = {"model": model.state_dict(), "optim": tensors}
+    dcp.load(state, checkpoint_id=str(folder))
+    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    if unexpected or [k for k in missing if k in dict(model.named_parameters())]:
+        raise ValueError(f"model does not match (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    opt.load_state_dict(_fill(skeleton, tensors))
+
+
+def read_model_state(folder: Path) -> dict[str, torch.Tensor]:
+    """The whole model state dict of a `save_sharded` checkpoint, read in one process (CPU)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = dcp.FileSystemReader(str(folder)).read_metadata()
+    out = {
+        key.removeprefix("model."): torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        for key, md in meta.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(md, TensorStorageMetadata)
+    }
+    loaded = {"model": out}
+    with warnings.catch_warnings():
+        # DCP warns that no process group exists: reading in one process is the point here.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(loaded, checkpoint_id=str(folder), no_dist=True)
+    return loaded["model"]

@@ -16,7 +16,10 @@ Estimate, per rank, in bytes:
 bf16, the paper's setting); ``bf16-mixed`` (fp32 weights/grads/states, bf16 activations).
 Under FSDP2 weights, grads and full-rank states are sharded over ranks, while a projected matrix's
 low-rank moments and basis are computed from the gathered gradient and held whole on every rank
-(optimizers/base.py); under DDP every rank holds all.
+(optimizers/base.py), and the 8-bit methods (adamw_8bit, galore_8bit) step gathered tensors and
+hold all their state whole on every rank (optimizers.FSDP2_WHOLE_STATE); under DDP every rank
+holds all. Per-rank figures are rank 0's, the largest share: torch.chunk gives it ceil(rows / N)
+rows of every tensor.
 
 Measured: exact optimizer-state bytes from the state tensors, and peak memory (CUDA max allocated,
 or the process's peak RSS on CPU).
@@ -160,6 +163,22 @@ def estimate(
     projected = method in optimizers.PROJECTED
     proj_group = projection_group(optim_cfg) if projected else {}
 
+    # Under FSDP2 each parameter is split on dim 0 into N chunks with torch.chunk's sizes, so
+    # rank 0 holds the largest share: ceil(rows / N) rows of every tensor. Per-rank figures are
+    # rank 0's. Element-wise optimizer state is split like its parameter (scalar terms, such as
+    # torch AdamW's step tensor, stay whole); see `replicated_state` for what is not split.
+    shard = world_size if sharding == "fsdp2" else 1
+    whole_state = shard > 1 and method in optimizers.FSDP2_WHOLE_STATE
+
+    def mine(shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (-(-shape[0] // shard), *shape[1:]) if shard > 1 else tuple(shape)
+
+    def dense_state(shape: tuple[int, ...]) -> tuple[int, int]:
+        """(sharded, replicated) state bytes of one non-projected parameter on rank 0."""
+        if whole_state:
+            return 0, optimizers.state_bytes(method, shape, {}, pdtype)
+        return optimizers.state_bytes(method, mine(shape), {}, pdtype), 0
+
     weights = grads = state = params = trainable = index_bytes = 0
     replicated_state = 0  # projected params' low-rank state and basis: whole on every FSDP2 rank
     for spec in llama_param_specs(preset, vocab_size):
@@ -168,26 +187,30 @@ def estimate(
 
             m, n = spec.shape
             counts = factorized_param_counts(m, n, factor_kind, factor_rank, density)
-            for numel in _factor_param_numels(m, n, factor_kind, factor_rank, counts):
-                state += optimizers.state_bytes(method, (numel,), {}, pdtype) if numel else 0
+            for shape in _factor_param_shapes(m, n, factor_rank, counts):
+                numel = math.prod(mine(shape))
+                sharded, whole = dense_state(shape)
+                state, replicated_state = state + sharded, replicated_state + whole
+                weights += numel * itemsize
+                grads += numel * itemsize
             frozen = counts.get("frozen", 0)
-            t = counts["trainable"]
-            weights += (t + frozen) * itemsize
-            grads += t * itemsize
-            params += t + frozen
-            trainable += t
-            index_bytes += counts.get("index_elements", 0) * 8
+            if frozen:  # LoRA's W0 (m x n), sharded like any parameter
+                weights += math.prod(mine((m, n))) * itemsize
+            params += counts["trainable"] + frozen
+            trainable += counts["trainable"]
+            index_bytes += counts.get("index_elements", 0) * 8  # a buffer: not sharded
             continue
-        numel = math.prod(spec.shape)
+        numel = math.prod(mine(spec.shape))
         weights += numel * itemsize
         grads += numel * itemsize
-        params += numel
-        trainable += numel
+        params += math.prod(spec.shape)
+        trainable += math.prod(spec.shape)
         is_proj = projected and spec.kind == "target" and _is_target(spec.name, targets)
         if is_proj:
             replicated_state += optimizers.state_bytes(method, spec.shape, proj_group, pdtype)
         else:
-            state += optimizers.state_bytes(method, spec.shape, {}, pdtype)
+            sharded, whole = dense_state(spec.shape)
+            state, replicated_state = state + sharded, replicated_state + whole
     weights += index_bytes
 
     p = PRESETS[preset]
@@ -201,7 +224,6 @@ def estimate(
         acts += per_layer  # one checkpointed block is recomputed at a time
     acts += tokens * (2 * p.hidden * act_itemsize + V * (act_itemsize + 4))
 
-    shard = world_size if sharding == "fsdp2" else 1
     detail = {
         "preset": preset,
         "method": method,
@@ -212,9 +234,9 @@ def estimate(
         "sparse_index_bytes": index_bytes,
     }
     return Estimate(
-        weights=math.ceil(weights / shard),
-        grads=math.ceil(grads / shard),
-        optimizer_state=math.ceil(state / shard) + replicated_state,
+        weights=weights,
+        grads=grads,
+        optimizer_state=state + replicated_state,
         activations=acts,
         params=params,
         trainable_params=trainable,
@@ -222,13 +244,14 @@ def estimate(
     )
 
 
-def _factor_param_numels(m: int, n: int, kind: str, rank: int, counts: dict[str, int]) -> list[int]:
-    """Sizes of the separate trainable tensors a factorized m x n target holds (B, A[, S values])."""
-    numels = [m * rank, rank * n]
-    extra = counts["trainable"] - sum(numels)
+def _factor_param_shapes(m: int, n: int, rank: int, counts: dict[str, int]) -> list[tuple[int, ...]]:
+    """Shapes of the separate trainable tensors a factorized m x n target holds: B (m x r),
+    A (r x n) and, for SLTrain, the 1-D sparse values."""
+    shapes: list[tuple[int, ...]] = [(m, rank), (rank, n)]
+    extra = counts["trainable"] - m * rank - rank * n
     if extra:
-        numels.append(extra)
-    return numels
+        shapes.append((extra,))
+    return shapes
 
 
 def estimate_from_config(cfg: Any, vocab_size: int, world_size: int = 1, sharding: str = "none") -> Estimate:

@@ -30,6 +30,7 @@ from effpretrain import data as data_mod
 from effpretrain import memory
 from effpretrain.config import ConfigError, RunConfig, config_hash, dump_yaml, to_dict
 from effpretrain.models import build_model, set_activation_checkpointing
+from optimizers._sharded import local as _local
 
 log = logging.getLogger("effpretrain")
 
@@ -369,25 +370,41 @@ class Trainer:
         self.acc.wait_for_everyone()
         path = None
         trainer_state = self._trainer_state()
+        root = self.out / "checkpoints"
         if self.fsdp:
-            # Gathered to full tensors (collectives, every rank): the files are those of any run.
+            # Every rank writes its own shards into rank 0's temporary folder (DCP); rank 0 then
+            # adds trainer.pt (with the optimizer's non-tensor skeleton) and commits the folder.
+            import torch.distributed as dist
+
             from effpretrain import fsdp
 
-            model_state = fsdp.full_model_state(self.model)
-            opt_state, trainer_state["fsdp_sharded_state"] = fsdp.full_optimizer_state(self.inner_opt)
+            box = [str(ckpt.temp_folder(root, self.progress.step)) if self.is_main else None]
+            dist.broadcast_object_list(box, src=0)
+            tmp = Path(box[0])
+            trainer_state["optimizer_skeleton"] = fsdp.save_sharded(tmp / "dcp", self.model, self.inner_opt)
+            self.acc.wait_for_everyone()
+            if self.is_main:
+                path = ckpt.save_checkpoint(
+                    root,
+                    self.progress.step,
+                    None,
+                    None,
+                    trainer_state,
+                    dump_yaml(self.cfg),
+                    keep=self.cfg.train.keep_checkpoints,
+                    tmp=tmp,
+                )
         elif self.is_main:
-            model_state = self.acc.unwrap_model(self.model).state_dict()
-            opt_state = self.inner_opt.state_dict()
-        if self.is_main:
             path = ckpt.save_checkpoint(
-                self.out / "checkpoints",
+                root,
                 self.progress.step,
-                model_state,
-                opt_state,
+                self.acc.unwrap_model(self.model).state_dict(),
+                self.inner_opt.state_dict(),
                 trainer_state,
                 dump_yaml(self.cfg),
                 keep=self.cfg.train.keep_checkpoints,
             )
+        if path is not None:
             log.info("saved checkpoint %s", path)
         self.acc.wait_for_everyone()
         return path
@@ -418,7 +435,7 @@ class Trainer:
             )
         saved_sharding = tr.get("sharding", "ddp" if self.world > 1 else "none")
         if "fsdp2" in (saved_sharding, self._sharding()) and saved_sharding != self._sharding():
-            # FSDP2 optimizer state is re-sharded from a record of what was sharded when saved.
+            # An FSDP2 checkpoint is sharded (dcp/), the others are whole files: not interchangeable.
             raise ConfigError(
                 f"checkpoint {path} was written with dist.sharding={saved_sharding}, this run uses "
                 f"{self._sharding()}; resume with the same dist.sharding"
@@ -427,26 +444,26 @@ class Trainer:
         if self.fsdp:
             from effpretrain import fsdp
 
-            # Every rank read the full state; each keeps its shard.
-            missing, unexpected = fsdp.load_full_model_state(model, state["model"])
+            # Each rank reads its own shards of the model and of the sharded optimizer state.
+            try:
+                fsdp.load_sharded(path / "dcp", model, self.inner_opt, tr["optimizer_skeleton"])
+            except (ValueError, KeyError, RuntimeError) as e:
+                raise ConfigError(
+                    f"checkpoint {path}: sharded state does not match ({e})".splitlines()[0]
+                ) from None
         else:
             missing, unexpected = model.load_state_dict(state["model"], strict=False)
-        # Non-persistent buffers (rotary inv_freq) are rebuilt, not saved.
-        if unexpected or [k for k in missing if k in dict(model.named_parameters())]:
-            raise ConfigError(
-                f"checkpoint {path} does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
-            )
-        try:
-            if self.fsdp:
-                fsdp.load_full_optimizer_state(
-                    self.inner_opt, state["optimizer"], tr.get("fsdp_sharded_state", [])
+            # Non-persistent buffers (rotary inv_freq) are rebuilt, not saved.
+            if unexpected or [k for k in missing if k in dict(model.named_parameters())]:
+                raise ConfigError(
+                    f"checkpoint {path} does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
                 )
-            else:
+            try:
                 self.inner_opt.load_state_dict(state["optimizer"])
-        except (ValueError, KeyError, RuntimeError) as e:
-            raise ConfigError(
-                f"checkpoint {path}: optimizer state does not match ({e})".splitlines()[0]
-            ) from None
+            except (ValueError, KeyError, RuntimeError) as e:
+                raise ConfigError(
+                    f"checkpoint {path}: optimizer state does not match ({e})".splitlines()[0]
+                ) from None
         self.sched.load_state_dict(tr["scheduler"])
         self.stream.load_state_dict(tr["data"])
         torch.set_rng_state(tr["rng_cpu"])
@@ -623,24 +640,10 @@ class Trainer:
                 self.acc.backward(s * (self.world / n_targets))
             loss_sum += s.detach()
         loss = self.acc.reduce(loss_sum, reduction="sum").item() / n_targets
-        if self.fsdp:
-            from effpretrain import fsdp
+        # One norm for every launch mode (fp64 partial sums): one process, DDP and FSDP2 clip alike.
+        from effpretrain import fsdp
 
-            gnorm = fsdp.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
-        elif self.cfg.train.grad_clip > 0:
-            gnorm = float(self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip))
-        else:
-            gnorm = float(
-                torch.linalg.vector_norm(
-                    torch.stack(
-                        [
-                            q.grad.detach().float().norm()
-                            for q in self.model.parameters()
-                            if q.grad is not None
-                        ]
-                    )
-                )
-            )
+        gnorm = fsdp.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
         finite = math.isfinite(loss) and math.isfinite(gnorm)
         if finite:
             t0 = time.perf_counter()
@@ -726,30 +729,6 @@ def check_launch(world: int, cfg: RunConfig) -> None:
             "a multi-process launch started a single process (accelerate launch on CPU does this); "
             "use --config_file recipes/accelerate/ddp_cpu.yaml or torchrun --nproc_per_node N"
         )
-    if world > 1 and cfg.dist.sharding == "fsdp2":
-        # What runs on local shards unchanged and is proven equal to one process (tests/test_fsdp2.py).
-        if cfg.optim.name not in FSDP2_OPTIMIZERS or cfg.factor.kind not in FSDP2_FACTOR_KINDS:
-            raise ConfigError(
-                f"dist.sharding=fsdp2 supports optim.name in {sorted(FSDP2_OPTIMIZERS)} with factor.kind in "
-                f"{sorted(FSDP2_FACTOR_KINDS)} (got {cfg.optim.name}, {cfg.factor.kind}); "
-                "use dist.sharding=ddp for the others"
-            )
-
-
-# Under FSDP2 each rank steps its own shards: element-wise optimizers need no change; refactorization
-# gathers whole factors (optimizers.refactorization).
-# Projection optimizers gather each projected matrix's whole gradient (optimizers.base.ProjectedAdam).
-FSDP2_OPTIMIZERS = frozenset({"adamw", "galore", "fira", "apollo"})
-FSDP2_FACTOR_KINDS = frozenset({"none", "lowrank", "sltrain"})
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of `t`: its local shard for an FSDP2 DTensor, `t` itself otherwise."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch build without distributed support
-        return t
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class NonFiniteError(RuntimeError):

@@ -32,6 +32,11 @@ OPTIMIZERS: dict[str, str] = {
 # Methods that project some groups: their groups carry `rank` and friends.
 PROJECTED = frozenset({"galore", "fira", "apollo", "apollo_mini", "galore_8bit"})
 
+# Under FSDP2 these keep ALL their state whole on every rank (block-wise 8-bit moments are stepped
+# on the gathered tensor; see AdamW8bit.step and ProjectedAdam.SHARDED_DENSE). Every other method
+# shards its full-size state with the parameter; projected methods keep their low-rank state whole.
+FSDP2_WHOLE_STATE = frozenset({"adamw_8bit", "galore_8bit"})
+
 
 def get_optimizer_class(name: str) -> type[torch.optim.Optimizer]:
     """Returns the class registered under `name`; ValueError naming the choices otherwise."""
@@ -93,6 +98,7 @@ def measured_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 __all__ = [
     "OPTIMIZERS",
+    "FSDP2_WHOLE_STATE",
     "PROJECTED",
     "Restarts",
     "recovery_factor",

@@ -84,6 +84,41 @@ class AdamW8bit(bnb.optim.AdamW8bit):
         config["min_8bit_size"] = group.get("min_8bit_size", config["min_8bit_size"])
         return config
 
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """bitsandbytes' step; under FSDP2 each sharded weight steps whole (see below).
+
+        bitsandbytes' kernels take plain tensors, and its block-wise quantisation is not
+        element-wise, so for a DTensor weight every rank all-gathers the full weight and gradient,
+        bitsandbytes steps that whole tensor (the same blocks, hence the same numbers, as a single
+        process), and the rank keeps its own shard of the result. The 8-bit state is then whole on
+        every rank (2 bytes per entry plus block scales, not divided by the world size); cost per
+        weight and step: two all-gathers and two transient full-size buffers.
+        """
+        from optimizers.base import _is_dtensor
+
+        swaps = []
+        for group in self.param_groups:
+            for i, p in enumerate(group["params"]):
+                if p.grad is not None and _is_dtensor(p):
+                    whole = p.full_tensor()
+                    whole.grad = p.grad.full_tensor()
+                    if p in self.state:
+                        self.state[whole] = self.state.pop(p)
+                    group["params"][i] = whole
+                    swaps.append((group, i, p, whole))
+        try:
+            return super().step(closure)
+        finally:
+            # Restored even on error: param_groups and state are keyed by the real parameters.
+            from torch.distributed.tensor import distribute_tensor
+
+            for group, i, p, whole in swaps:
+                group["params"][i] = p
+                if whole in self.state:
+                    self.state[p] = self.state.pop(whole)
+                p.copy_(distribute_tensor(whole.detach(), p.device_mesh, p.placements, src_data_rank=None))
+
     @classmethod
     def state_bytes(cls, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
         """Exact bytes of state tensors one parameter holds after >= 1 step (any param dtype).

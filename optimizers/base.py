@@ -71,7 +71,7 @@ FSDP2 (parameters and gradients are DTensors sharded across ranks): non-projecte
 run AdamW on their local shards (moments sharded like the parameter). A projected parameter's
 step runs on the whole matrix: every rank all-gathers the full gradient and weight, computes the
 same basis and update as a single process would (Fira's and APOLLO's norms over the whole
-matrix), and keeps its own shard; see `_projected_step_sharded` for the memory and
+matrix), and keeps its own shard; see `_whole_step_sharded` for the memory and
 communication cost. Its projected state is replicated on every rank.
 """
 
@@ -126,6 +126,10 @@ class ProjectedAdam(torch.optim.Optimizer):
             ``basis="svd"``, or for a subclass's extra every-group keys (`ADAM_DEFAULTS`); a
             group's own value wins.
     """
+
+    SHARDED_DENSE: ClassVar[bool] = True
+    """Under FSDP2, non-projected weights step shard by shard (element-wise moments). A subclass
+    whose dense moments are not element-wise sets False: they then step on the whole tensor."""
 
     #: Keys filled into projected groups (those with ``rank``) when missing. Subclasses extend it.
     PROJECTION_DEFAULTS: ClassVar[dict[str, Any]] = {
@@ -287,7 +291,7 @@ class ProjectedAdam(torch.optim.Optimizer):
     def _init_state(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], index: int) -> None:
         state["step"] = 0
         if not group["project"]:
-            if _is_dtensor(p):
+            if _is_dtensor(p) and self.SHARDED_DENSE:
                 # FSDP2: sharded like the parameter; AdamW is element-wise, so each rank steps its shard.
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
@@ -553,15 +557,24 @@ class ProjectedAdam(torch.optim.Optimizer):
             if not nonzero:
                 continue
             if group["project"] and _is_dtensor(p):
-                self._projected_step_sharded(p, state, group)
+                self._whole_step_sharded(p, state, group, self._projected_step)
             elif group["project"]:
                 self._projected_step(p, p.grad, state, group)
+            elif _is_dtensor(p) and not self.SHARDED_DENSE:
+                self._whole_step_sharded(p, state, group, self._dense_step)
             else:
                 self._dense_step(p, p.grad, state, group)
         return loss
 
-    def _projected_step_sharded(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
-        """The projected step of an FSDP2-sharded (DTensor) weight, on the whole matrix.
+    def _whole_step_sharded(
+        self,
+        p: torch.Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        step_fn: Callable[[torch.Tensor, torch.Tensor, dict[str, Any], dict[str, Any]], None],
+    ) -> None:
+        """`step_fn` (the projected step, or the dense one of an 8-bit subclass) of an
+        FSDP2-sharded (DTensor) weight, run on the whole matrix.
 
         The basis needs the whole gradient, and Fira's and APOLLO's norms are over the whole
         matrix, so every rank all-gathers the full gradient G and the full weight W, runs exactly
@@ -574,12 +587,16 @@ class ProjectedAdam(torch.optim.Optimizer):
         rank (freed after the step); the basis computation is repeated on every rank instead of
         being communicated. Gathering W keeps every subclass's update rule (in-place on W, weight
         decay included) bitwise identical to a single process.
+
+        Subclasses whose dense moments are not element-wise (8-bit block-wise quantisation:
+        `SHARDED_DENSE` False) step their non-projected weights this way too, so the 8-bit blocks
+        are those of a single process; that state is then whole on every rank as well.
         """
         from torch.distributed.tensor import distribute_tensor
 
         grad = p.grad.full_tensor()
         weight = p.full_tensor()
-        self._projected_step(weight, grad, state, group)
+        step_fn(weight, grad, state, group)
         # `weight` is identical on every rank: each keeps its own chunk, no communication.
         p.copy_(distribute_tensor(weight, p.device_mesh, p.placements, src_data_rank=None))
 

@@ -89,6 +89,9 @@ class GaLoreAdamW8bit(GaLoreAdamW):
     def _is_8bit(numel: int, group: dict[str, Any]) -> bool:
         return numel >= int(group["min_8bit_size"])
 
+    # Block-wise quantised moments are not element-wise: under FSDP2 dense weights step whole.
+    SHARDED_DENSE: ClassVar[bool] = False
+
     def _init_moments(
         self, state: dict[str, Any], shape: tuple[int, ...], p: torch.Tensor, group: dict[str, Any]
     ) -> None:

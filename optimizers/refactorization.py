@@ -34,6 +34,8 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
+from optimizers._sharded import whole, write_whole_
+
 __all__ = ["balanced_factors", "refactorize_"]
 
 
@@ -130,29 +132,6 @@ def refactorize_(pairs: Iterable[tuple[Tensor, Tensor]]) -> None:
         ValueError: see `balanced_factors`.
     """
     for B, A in pairs:
-        B_new, A_new = balanced_factors(_whole(B), _whole(A))
-        _write_(B, B_new)
-        _write_(A, A_new)
-
-
-def _is_dtensor(t: Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch build without distributed support
-        return False
-    return isinstance(t, DTensor)
-
-
-def _whole(t: Tensor) -> Tensor:
-    """The full tensor: gathered across ranks for a sharded DTensor, `t` itself otherwise."""
-    return t.full_tensor() if _is_dtensor(t) else t
-
-
-def _write_(t: Tensor, new: Tensor) -> None:
-    """t <- new, where `new` is the whole tensor; a DTensor `t` keeps only its own shard of it."""
-    if _is_dtensor(t):
-        from torch.distributed.tensor import distribute_tensor
-
-        # `new` is identical on every rank: each takes its own chunk, no communication.
-        new = distribute_tensor(new.to(t.dtype), t.device_mesh, t.placements, src_data_rank=None)
-    t.copy_(new)
+        B_new, A_new = balanced_factors(whole(B), whole(A))
+        write_whole_(B, B_new)
+        write_whole_(A, A_new)

@@ -7,8 +7,12 @@ per-tensor statistics (an EMA of max|G| for element-wise clipping, EMAs of ||G||
 norm scaling), keeps the periodic reset and anneals beta1 over the run. PAPER.md section 2.2.
 
 Both keep all state per parameter (so DDP, Accelerate and the HF Trainer need nothing special)
-and hold only tensors and python ints. Under FSDP2 the per-tensor statistics of Stable-SPAM are
-taken over the local shard, which is an approximation of the unsharded rule.
+and hold only tensors and python ints. Under FSDP2 (DTensor parameters sharded across ranks) each
+rank updates its own shard: SPAM is element-wise, and Stable-SPAM's per-tensor statistics are
+those of the whole tensor: max|G| by an all-reduce (max), ||G|| from fp64 partial sums of
+squares added by an all-reduce (sum), which is also how a single process computes it, so a
+sharded run takes the same steps as one process. Moments are sharded like the parameter; the
+scalar EMAs are whole (identical) on every rank.
 """
 
 from __future__ import annotations
@@ -19,6 +23,11 @@ from itertools import chain
 from typing import Any
 
 import torch
+
+from optimizers._sharded import local as _local
+from optimizers._sharded import shard_group as _shard_group
+from optimizers._sharded import whole_max_abs as _whole_max_abs
+from optimizers._sharded import whole_norm as _whole_norm
 
 __all__ = ["SPAM", "StableSPAM"]
 
@@ -231,10 +240,11 @@ class StableSPAM(torch.optim.Optimizer):
                 t_stats = k if group["reset_stats_correction"] else t
                 s = self.annealing_factor(group, t)
 
-                grad = p.grad
+                shards = _shard_group(p)
+                grad = _local(p.grad)
                 if group["adaptive_clip"]:
                     # fp32 statistics: a bf16 max/threshold would round the EMA away.
-                    g_max = grad.abs().max().float()
+                    g_max = _whole_max_abs(grad, shards)
                     ema_max = state["exp_avg_max"]
                     ema_max.mul_(theta).add_(g_max, alpha=1 - theta)
                     threshold = ema_max / (1 - theta**t_stats)
@@ -248,7 +258,7 @@ class StableSPAM(torch.optim.Optimizer):
 
                 if group["norm_scaling"]:
                     gamma1 = group["gamma1"] * s
-                    norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+                    norm = _whole_norm(grad, shards)
                     ema_norm, ema_norm_sq = state["exp_avg_norm"], state["exp_avg_norm_sq"]
                     ema_norm.mul_(gamma1).add_(norm, alpha=1 - gamma1)
                     ema_norm_sq.mul_(gamma2).add_(norm * norm, alpha=1 - gamma2)
@@ -260,10 +270,10 @@ class StableSPAM(torch.optim.Optimizer):
                     grad = grad * factor.to(grad.dtype)
 
                 _adamw_update_(
-                    p,
+                    _local(p),
                     grad,
-                    state["exp_avg"],
-                    state["exp_avg_sq"],
+                    _local(state["exp_avg"]),
+                    _local(state["exp_avg_sq"]),
                     k,
                     group["lr"],
                     beta1 * s,
@@ -414,18 +424,18 @@ class SPAM(torch.optim.Optimizer):
                         state["step"] = 0
                 state["step"] += 1
 
-                grad = p.grad
+                grad = _local(p.grad)  # element-wise rule: a shard steps alone
                 since_reset = t % interval if interval > 0 else t
                 if threshold > 0 and since_reset >= group["clip_delay"]:
-                    bound = state["exp_avg_sq"] * threshold
+                    bound = _local(state["exp_avg_sq"]) * threshold
                     spike = grad * grad > bound
                     grad = torch.where(spike, grad.sign() * bound.sqrt(), grad)
 
                 _adamw_update_(
-                    p,
+                    _local(p),
                     grad,
-                    state["exp_avg"],
-                    state["exp_avg_sq"],
+                    _local(state["exp_avg"]),
+                    _local(state["exp_avg_sq"]),
                     state["step"],
                     group["lr"],
                     beta1,

@@ -7,7 +7,6 @@ import socket
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 # 20 steps of the tiny recipes, a basis refresh every 5 and restarts every 7.
 COMMON = [
@@ -34,7 +33,11 @@ def free_port() -> int:
 
 
 def final(run: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(run / "checkpoints" / "step-20" / "model.safetensors"))
+    """The step-20 weights of a run, read whole whichever way they were written (an FSDP2 run's
+    checkpoint is sharded: dcp/ instead of model.safetensors)."""
+    from effpretrain.checkpoint import read_model_state
+
+    return read_model_state(run / "checkpoints" / "step-20")
 
 
 def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

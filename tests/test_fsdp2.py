@@ -1,9 +1,10 @@
 """FSDP2 claims (2 CPU processes, gloo, torchrun, torch's fully_shard): parameters really are
-sharded, 2 sharded processes equal one process at the same global batch (adamw, also with gradient
-accumulation, where only the last micro-step reduce-scatters; lowrank_restarts and sltrain, whose
-refactorization gathers whole factors; galore, fira and apollo, whose bases come from the whole
-gathered gradient), global-norm clipping over shards, resume under 2 processes is exact, and
-resuming with another world size or an unsupported method is refused."""
+sharded; 2 sharded processes equal one process at the same global batch, with clipping on, for
+every method (element-wise optimizers on shards; projection bases and 8-bit blocks from whole
+gathered tensors; Stable-SPAM statistics over the whole tensor; refactorization and ReLoRA merges
+on whole factors); the per-rank memory estimate is exact; checkpoints are sharded with
+torch.distributed.checkpoint, resume under 2 processes is exact, export and eval read them whole
+in one process; resuming with another world size or sharding is refused."""
 
 from __future__ import annotations
 
@@ -24,12 +25,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # (name, recipe, 2-process overrides, 1-process reference overrides): the reference splits its
 # global batch into the micro-batches the ranks see, with one thread, as in test_distributed.
 #
-# Clipping: the global gradient norm over shards sums per-shard squares in another order than a
-# single process does (agreement ~1e-7 relative, checked on adamw where clipping is active). For
-# the factorized methods refactorization's SVD turns that rounding into a rotation of the
-# (B, A) split (the product agrees, the factors drift by ~1e-5 to 1e-4 where singular values are
-# close), so those cases run without clipping, where FSDP2 is bitwise equal to one process.
-NO_CLIP = ["train.grad_clip=0"]
+# Every case clips at the recipe's train.grad_clip (1.0, active here): the trainer's global norm
+# sums squares in fp64 (effpretrain/fsdp.py), so one process and FSDP2 get the same fp32 norm
+# and clip coefficient, and the projection bases and refactorization SVDs see the same inputs.
+NO_CLIP: list[str] = []
 CASES = {
     "adamw": (
         "adamw",
@@ -60,8 +59,23 @@ CASES = {
         )
         for m in ("galore", "fira", "apollo")
     },
+    # The other methods: APOLLO-Mini (projected, rank 1), SPAM (element-wise on shards),
+    # Stable-SPAM (whole-tensor max|G| and ||G|| by all-reduce), the 8-bit ones (stepped on the
+    # gathered tensor), LoRA (frozen W0 sharded too) and ReLoRA (merges on whole tensors).
+    **{
+        m: (
+            m,
+            ["train.batch_size=2"],
+            ["train.batch_size=2", "train.grad_accum=2", "train.eval_batches=4"],
+        )
+        for m in ("apollo_mini", "spam", "stable_spam", "adamw_8bit", "galore_8bit", "lora", "relora")
+    },
 }
-RESUME = "lowrank_restarts"
+# Resumed under 2 FSDP2 processes: restarts on sharded factors; GaLore-8bit (whole projected
+# state with a column-major basis, whole 8-bit dense moments); bitsandbytes' AdamW8bit (its own
+# nested state dict); Stable-SPAM (sharded moments plus whole scalar statistics).
+RESUMES = ["lowrank_restarts", "galore_8bit", "adamw_8bit", "stable_spam"]
+RESUME = RESUMES[0]
 
 WORKER = textwrap.dedent(
     """
@@ -90,9 +104,11 @@ WORKER = textwrap.dedent(
             del tr
         train(cfg, out / f"{name}-2p")
     over = fsdp + ["train.batch_size=2", "train.save_every=10"]  # with clipping
-    train(load_config(recipe(resume), over), out / f"{resume}-straight")
-    train(load_config(recipe(resume), over), out / f"{resume}-split",
-          resume=str(out / f"{resume}-straight" / "checkpoints" / "step-10"))
+    for m in resume.split(","):
+        train(load_config(recipe(m), over), out / f"{m}-straight")
+        train(load_config(recipe(m), over), out / f"{m}-split",
+              resume=str(out / f"{m}-straight" / "checkpoints" / "step-10"))
+    resume = resume.split(",")[0]
     # The same checkpoint under DDP: refused before any step (every rank raises the same error).
     try:
         ddp = load_config(recipe(resume), common + ["train.batch_size=2", "train.save_every=10"])
@@ -113,7 +129,7 @@ def runs(tmp_path_factory):
     env = dict(
         os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
     )
-    tail = [json.dumps(CASES), RESUME, *COMMON]
+    tail = [json.dumps(CASES), ",".join(RESUMES), *COMMON]
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     two = subprocess.Popen(
         [*launch, "--master_port", str(free_port()), str(worker), str(ROOT), str(out), "two", *tail],
@@ -152,10 +168,15 @@ def test_fsdp2_two_processes_equal_one_process_at_same_global_batch(name, runs):
     assert abs(two["final_val_loss"] - one["final_val_loss"]) <= 1e-5 * abs(one["final_val_loss"])
     assert rel_diff(final(runs / f"{name}-2p"), final(runs / f"{name}-1p")) <= 1e-5
     # Per-rank memory: a rank holds half of the gradients and of the sharded optimizer state; the
-    # projected (low-rank) state of galore/fira/apollo is replicated, the rest is sharded.
+    # projected (low-rank) state of galore/fira/apollo is replicated, the rest is sharded, except
+    # the 8-bit methods', which is whole on every rank. The estimator predicts it exactly.
     assert two["grad_bytes"] < 0.6 * one["grad_bytes"]
-    projected = name in ("galore", "fira", "apollo")
-    assert two["optimizer_state_bytes"] < (0.8 if projected else 0.6) * one["optimizer_state_bytes"]
+    if name in ("adamw_8bit", "galore_8bit"):
+        assert two["optimizer_state_bytes"] == one["optimizer_state_bytes"]
+    else:
+        projected = name in ("galore", "fira", "apollo", "apollo_mini")
+        assert two["optimizer_state_bytes"] < (0.8 if projected else 0.6) * one["optimizer_state_bytes"]
+    assert two["optimizer_state_bytes"] == two["estimated"]["optimizer_state"], "per-rank estimate"
 
 
 def test_global_norm_clipping_over_shards(runs):
@@ -175,12 +196,36 @@ def test_refactorization_ran_on_sharded_factors(runs):
     assert two["opt/restarts"] == 2  # restarts.every=7 over 20 steps
 
 
-def test_resume_under_two_fsdp2_processes_is_exact(runs):
-    a, b = final(runs / f"{RESUME}-straight"), final(runs / f"{RESUME}-split")
+@pytest.mark.parametrize("name", RESUMES)
+def test_resume_under_two_fsdp2_processes_is_exact(name, runs):
+    a, b = final(runs / f"{name}-straight"), final(runs / f"{name}-split")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    sa = json.loads((runs / f"{RESUME}-straight" / "summary.json").read_text())
-    sb = json.loads((runs / f"{RESUME}-split" / "summary.json").read_text())
+    sa = json.loads((runs / f"{name}-straight" / "summary.json").read_text())
+    sb = json.loads((runs / f"{name}-split" / "summary.json").read_text())
     assert sa["final_val_loss"] == sb["final_val_loss"]
+
+
+def test_fsdp2_checkpoints_are_sharded_with_dcp(runs):
+    """Each rank wrote its own shard file (torch.distributed.checkpoint); no whole-model file."""
+    ckpt = runs / f"{RESUME}-straight" / "checkpoints" / "step-20"
+    files = sorted(p.name for p in (ckpt / "dcp").iterdir())
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"], files
+    assert not (ckpt / "model.safetensors").exists() and not (ckpt / "optimizer.pt").exists()
+    assert (ckpt / "COMPLETE").is_file() and not list(ckpt.parent.glob("*.tmp-*"))
+    sizes = [(ckpt / "dcp" / f).stat().st_size for f in files[1:]]
+    assert min(sizes) > 0.3 * max(sizes)  # both ranks hold a real share, not one rank everything
+
+
+def test_export_of_an_fsdp2_checkpoint_equals_the_one_process_model(runs, tmp_path):
+    from safetensors.torch import load_file
+
+    from effpretrain.export import export
+
+    out = export(runs / "adamw-2p", tmp_path / "hf")
+    exported = load_file(str(out / "model.safetensors"))
+    one = final(runs / "adamw-1p")
+    assert exported.keys() <= one.keys() and len(exported) > 10
+    assert all(torch.equal(exported[k], one[k]) for k in exported)
 
 
 def test_resume_with_another_world_size_is_refused(runs, tmp_path):
@@ -202,11 +247,31 @@ def test_resume_with_another_sharding_is_refused(runs):
     assert "written with dist.sharding=fsdp2, this run uses ddp" in (runs / "ddp-resume.txt").read_text()
 
 
-def test_unsupported_method_under_fsdp2_is_refused(monkeypatch):
-    from effpretrain.config import ConfigError, load_config
-    from effpretrain.trainer import check_launch
+def test_eval_of_an_fsdp2_checkpoint_in_one_process(runs, capsys):
+    """`effpretrain eval` reads the sharded checkpoint whole; same weights, same rows -> same loss
+    as the one-process run's checkpoint."""
+    from effpretrain.cli import main
 
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match="dist.sharding=fsdp2 supports"):
-        check_launch(2, load_config(None, ["dist.sharding=fsdp2", "optim.name=stable_spam"]))
-    check_launch(2, load_config(None, ["dist.sharding=fsdp2"]))
+    rows = ["--set", "train.eval_batches=2", "--set", "train.grad_accum=1"]  # the 2-process run's 4 rows
+    results = []
+    for run in ("adamw-2p", "adamw-1p"):
+        assert main(["eval", str(runs / run / "checkpoints" / "step-20"), *rows]) == 0
+        results.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert results[0]["step"] == results[1]["step"] == 20
+    assert results[0]["val_loss"] == results[1]["val_loss"]
+
+
+def test_every_method_has_an_fsdp2_parity_case():
+    """All registered optimizers and factorized kinds run under FSDP2 and are checked above."""
+    import yaml
+
+    import optimizers
+
+    covered = {(c[0]) for c in CASES.values()}
+    recipes = {m: yaml.safe_load((ROOT / "recipes" / "tiny" / f"{m}.yaml").read_text()) for m in covered}
+    names = {r.get("optim", {}).get("name", "adamw") for r in recipes.values()}
+    kinds = {r.get("factor", {}).get("kind", "none") for r in recipes.values()}
+    assert set(optimizers.OPTIMIZERS) <= names, set(optimizers.OPTIMIZERS) - names
+    from effpretrain.models.factorized import FACTORIZED_KINDS
+
+    assert {"none", *FACTORIZED_KINDS} <= kinds, {"none", *FACTORIZED_KINDS} - kinds

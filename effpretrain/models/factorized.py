@@ -211,9 +211,20 @@ class ReLoRALinear(LoRALinear):
 
     @torch.no_grad()
     def merge_and_reinit_(self) -> None:
-        """W0 <- W0 + s B A (fp32 then cast), then A <- Kaiming, B <- 0. Output is preserved."""
-        self.weight.copy_(self.dense_weight())
-        self.reset_parameters()
+        """W0 <- W0 + s B A (fp32 then cast), then A <- Kaiming, B <- 0. Output is preserved.
+
+        Under FSDP2 (DTensor W0, B, A) the merge runs on the whole tensors (gathered on every
+        rank) and the new A is drawn whole on every rank from the same RNG state (the trainer's
+        ranks share it), each rank keeping its shard: the result is a single process's.
+        """
+        from optimizers._sharded import whole, write_whole_
+
+        w, b, a = whole(self.weight), whole(self.B), whole(self.A)
+        write_whole_(self.weight, (w.float() + self.scale * (b.float() @ a.float())).to(w.dtype))
+        new_a = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+        _kaiming_(new_a)
+        write_whole_(self.A, new_a)
+        self.B.zero_()
 
 
 class SLTrainLinear(FactorizedLinear):

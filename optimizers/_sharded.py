@@ -1,0 +1,74 @@
+"""Whole-tensor statistics of FSDP2-sharded (DTensor) tensors, the same numbers on every rank.
+
+A single process and a sharded run must agree on per-tensor statistics, so norms are summed in
+fp64 (each fp32 square is exact in fp64, and fp64 sums of the same terms in any order agree to
+~1e-16 relative, far below fp32's resolution) and rounded to fp32 once, whether the terms come
+from one tensor or from shards added by an all-reduce.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_CHUNK = 1 << 22
+"""Entries per fp64 partial sum: bounds the transient fp64 copy to 32 MiB."""
+
+
+def shard_group(t: torch.Tensor) -> Any:
+    """The process group a DTensor is split over, or None for a plain tensor."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch build without distributed support
+        return None
+    return t.device_mesh.get_group() if isinstance(t, DTensor) else None
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view: in-place updates reach the DTensor), else `t` itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def sum_squares_fp64(t: torch.Tensor) -> torch.Tensor:
+    """sum(t^2) of a plain tensor, accumulated in fp64 chunk by chunk (a 0-dim fp64 tensor)."""
+    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    for chunk in t.detach().reshape(-1).split(_CHUNK):
+        c = chunk.double()
+        total += torch.dot(c, c)
+    return total
+
+
+def whole_norm(g: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """||G||_2 of the whole tensor (fp32) from this rank's part `g` (all-reduced over `group`)."""
+    sq = sum_squares_fp64(g)
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(sq, group=group)
+    return sq.sqrt().float()
+
+
+def whole_max_abs(g: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """max|G| of the whole tensor (fp32) from this rank's part `g`; an empty part counts 0."""
+    m = g.abs().amax().float() if g.numel() else torch.zeros((), device=g.device)
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    return m
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """The full tensor: all-gathered for a DTensor (a collective), `t` itself otherwise."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def write_whole_(t: torch.Tensor, new: torch.Tensor) -> None:
+    """t <- new, where `new` is the whole tensor, identical on every rank; a DTensor `t` keeps only
+    its own shard of it (no communication)."""
+    if hasattr(t, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        new = distribute_tensor(new.to(t.dtype), t.device_mesh, t.placements, src_data_rank=None)
+    t.copy_(new)
