@@ -14,7 +14,9 @@ A checkpoint is a folder ``checkpoints/step-N/`` holding:
 Everything is written into ``step-N.tmp-<pid>/`` and renamed into place only when complete, so a
 crash mid-save leaves the previous checkpoints untouched. Loading uses safetensors for the model
 and ``torch.load(weights_only=True)`` for the rest: a file holding an arbitrary pickled object is
-refused.
+refused. In a sharded ``dcp/`` folder, DCP reads tensors with ``weights_only=True`` but its
+``.metadata`` with plain pickle, so that file is first checked against an allow-list of DCP's
+metadata classes, and entries that are not tensors (which DCP would unpickle freely) are refused.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -135,8 +138,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"path": path, "sharded": (path / "dcp").is_dir()}
     if out["sharded"]:
         # FSDP2: tensors are read by the trainer's ranks (fsdp.load_sharded) or `read_model_state`.
-        if not (path / "dcp" / ".metadata").is_file():
-            raise ConfigError(f"checkpoint {path}: dcp/.metadata is missing")
+        _check_dcp_metadata(path)
         out["model"] = out["optimizer"] = None
         names = ("trainer",)
     else:
@@ -160,19 +162,68 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     return out
 
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` allowing only the classes DCP metadata is made of.
+
+    torch.distributed.checkpoint reads ``.metadata`` with a plain ``pickle.load``, which runs
+    whatever a crafted file names; checkpoints here are meant to be safe to load, so the file is
+    first read with this allow-list and refused if it references anything else.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        import pathlib
+
+        obj = super().find_class(module, name)
+        allowed = (
+            (module == "torch.distributed.checkpoint.metadata" and isinstance(obj, type))
+            or (
+                module == "torch.distributed.checkpoint.filesystem"
+                and name in ("_StorageInfo", "_StoragePrefix")
+            )
+            or (module == "torch" and (name == "Size" or isinstance(obj, (torch.dtype, torch.layout))))
+            or (module == "torch.serialization" and name == "_get_layout")
+            or (module == "pathlib" and isinstance(obj, type) and issubclass(obj, pathlib.PurePath))
+            or (module == "collections" and name == "OrderedDict")
+            or (module == "builtins" and name in ("set", "frozenset", "dict", "list", "tuple"))
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
+        return obj
+
+
+def _check_dcp_metadata(path: Path) -> None:
+    """ConfigError unless ``dcp/.metadata`` exists and holds only DCP metadata classes."""
+    meta = path / "dcp" / ".metadata"
+    if not meta.is_file():
+        raise ConfigError(f"checkpoint {path}: dcp/.metadata is missing")
+    try:
+        with open(meta, "rb") as fh:
+            md = _MetadataUnpickler(fh).load()
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        # Only tensors are ever written; DCP would read a non-tensor entry with a full unpickler.
+        for key, entry in md.state_dict_metadata.items():
+            if not isinstance(entry, TensorStorageMetadata):
+                raise pickle.UnpicklingError(f"entry {key!r} is not a tensor")
+    except Exception as e:
+        msg = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        raise ConfigError(f"checkpoint {path}: dcp/.metadata refused or corrupt ({msg})") from None
+
+
 def read_model_state(path: Path) -> dict[str, torch.Tensor]:
     """The whole model state dict of checkpoint folder `path`, in this process, on CPU, whichever
     way it was written (safetensors, or FSDP2's sharded dcp/); ConfigError if unreadable."""
     state = load_checkpoint(path)
     if not state["sharded"]:
         return state["model"]
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from effpretrain import fsdp
 
     try:
         return fsdp.read_model_state(path / "dcp")
-    except Exception as e:
-        msg = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
-        raise ConfigError(f"checkpoint {path}: dcp/ unreadable ({msg})") from None
+    except (Exception, CheckpointException) as e:  # DCP's wrapper is a BaseException
+        raise ConfigError(f"checkpoint {path}: dcp/ unreadable ({fsdp.dcp_error(e)})") from None
 
 
 def find_resume(run_dir: Path, resume: str) -> Path | None:

@@ -211,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("httpx", "urllib3", "datasets", "accelerate"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # torch.distributed.checkpoint logs every save/load event, and any failure as a multi-line
+    # record; a failure reaches the user as effpretrain's own one-line error instead.
+    logging.getLogger("c10d-NullHandler-dcp_logger").setLevel(logging.CRITICAL)
     args = _parser().parse_args(argv)
     try:
         return {"train": cmd_train, "estimate": cmd_estimate, "eval": cmd_eval, "export": cmd_export}[

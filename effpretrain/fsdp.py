@@ -197,6 +197,17 @@ def load_sharded(
     opt.load_state_dict(_fill(skeleton, tensors))
 
 
+def dcp_error(e: BaseException) -> str:
+    """One line for an error out of DCP: the first failing rank's own exception, not the wrapper."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        rank, wrapped = next(iter(failures.items()))
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        e = inner
+    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return msg[:160]
+
+
 def read_model_state(folder: Path) -> dict[str, torch.Tensor]:
     """The whole model state dict of a `save_sharded` checkpoint, read in one process (CPU)."""
     import torch.distributed.checkpoint as dcp

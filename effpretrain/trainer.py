@@ -442,14 +442,17 @@ class Trainer:
             )
         model = self.acc.unwrap_model(self.model)
         if self.fsdp:
+            from torch.distributed.checkpoint.api import CheckpointException
+
             from effpretrain import fsdp
 
             # Each rank reads its own shards of the model and of the sharded optimizer state.
             try:
                 fsdp.load_sharded(path / "dcp", model, self.inner_opt, tr["optimizer_skeleton"])
-            except (ValueError, KeyError, RuntimeError) as e:
+            except (ValueError, KeyError, RuntimeError, CheckpointException) as e:
+                # (CheckpointException is a BaseException: DCP's wrapper of any rank's read error.)
                 raise ConfigError(
-                    f"checkpoint {path}: sharded state does not match ({e})".splitlines()[0]
+                    f"checkpoint {path}: sharded state unreadable or does not match ({fsdp.dcp_error(e)})"
                 ) from None
         else:
             missing, unexpected = model.load_state_dict(state["model"], strict=False)
@@ -729,6 +732,19 @@ def check_launch(world: int, cfg: RunConfig) -> None:
             "a multi-process launch started a single process (accelerate launch on CPU does this); "
             "use --config_file recipes/accelerate/ddp_cpu.yaml or torchrun --nproc_per_node N"
         )
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"):
+        # An Accelerate FSDP config: the trainer shards with FSDP2 itself, so the recipe must agree.
+        version = os.environ.get("FSDP_VERSION", "1")
+        if version != "2":
+            raise ConfigError(
+                f"the Accelerate config asks for FSDP version {version}; effpretrain shards with FSDP2 "
+                "(set fsdp_version: 2, see recipes/accelerate/fsdp2.yaml)"
+            )
+        if world > 1 and cfg.dist.sharding != "fsdp2":
+            raise ConfigError(
+                f"the Accelerate config launches FSDP but dist.sharding={cfg.dist.sharding}; "
+                "pass --set dist.sharding=fsdp2"
+            )
 
 
 class NonFiniteError(RuntimeError):

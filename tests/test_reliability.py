@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -240,6 +241,55 @@ def _case_pickled_object(tmp, ckpt):
     return ["train", str(RECIPE), "--out", str(tmp / "o"), "--resume", str(c)] + _sets(SMALL)
 
 
+def _sharded_copy(tmp, ckpt) -> Path:
+    """A copy of `ckpt` made to look like an FSDP2 (DCP) checkpoint: dcp/ instead of the files."""
+    c = _copy_ckpt(ckpt, tmp)
+    (c / "model.safetensors").unlink()
+    (c / "optimizer.pt").unlink()
+    (c / "dcp").mkdir()
+    return c
+
+
+def _case_dcp_pickled_metadata(tmp, ckpt):
+    c = _sharded_copy(tmp, ckpt)
+    with open(c / "dcp" / ".metadata", "wb") as fh:
+        pickle.dump(Evil(), fh)
+    return ["train", str(RECIPE), "--out", str(tmp / "o"), "--resume", str(c)] + _sets(SMALL)
+
+
+def _case_dcp_bytes_entry(tmp, ckpt):
+    """Real DCP metadata, but with a non-tensor entry, which DCP would unpickle without limits."""
+    import torch.distributed.checkpoint as dcp
+
+    c = _sharded_copy(tmp, ckpt)
+    with warnings.catch_warnings():  # DCP: "torch.distributed is disabled ... single process"
+        warnings.simplefilter("ignore")
+        dcp.save(
+            {"w": torch.zeros(2), "extra": {"payload": [1, 2]}}, checkpoint_id=str(c / "dcp"), no_dist=True
+        )
+    return ["export", str(c), "--out", str(tmp / "hf")]
+
+
+def _case_dcp_truncated_shard(tmp, ckpt):
+    """A real single-file DCP model state whose shard file is cut short."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    c = _sharded_copy(tmp, ckpt)
+    weights = load_file(str(ckpt / "model.safetensors"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": weights}, checkpoint_id=str(c / "dcp"), no_dist=True)
+    shard = c / "dcp" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:200])
+    return ["export", str(c), "--out", str(tmp / "hf")]
+
+
+def _case_dcp_no_metadata(tmp, ckpt):
+    c = _sharded_copy(tmp, ckpt)
+    return ["export", str(c), "--out", str(tmp / "hf")]
+
+
 def _case_truncated_model(tmp, ckpt):
     c = _copy_ckpt(ckpt, tmp)
     f = c / "model.safetensors"
@@ -360,6 +410,10 @@ MALFORMED = {
         "not a complete checkpoint",
     ),
     "pickled object": (_case_pickled_object, "optimizer.pt refused or corrupt"),
+    "dcp metadata pickled object": (_case_dcp_pickled_metadata, "dcp/.metadata refused or corrupt"),
+    "dcp metadata non-tensor entry": (_case_dcp_bytes_entry, "is not a tensor"),
+    "dcp metadata missing": (_case_dcp_no_metadata, "dcp/.metadata is missing"),
+    "dcp truncated shard": (_case_dcp_truncated_shard, "dcp/ unreadable"),
     "truncated safetensors": (_case_truncated_model, "model.safetensors unreadable"),
     "incomplete checkpoint": (_case_no_marker, "not a complete checkpoint"),
     "auto with none good": (_case_auto_none_good, "none is complete and loadable"),

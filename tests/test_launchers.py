@@ -1,0 +1,116 @@
+"""The README's CPU launch commands, run as a user types them (issue #5, acceptance 2), and the
+launcher consistency checks: `accelerate launch` with recipes/accelerate/ddp_cpu.yaml and with
+fsdp2_cpu.yaml, and `torchrun --nproc_per_node 2 ... --set dist.sharding=fsdp2`, each at
+train.batch_size=2 per process, end where one process at batch 4 does; an Accelerate FSDP config
+with dist.sharding=ddp, or with FSDP version 1, is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from distributed_helpers import COMMON, final, free_port, rel_diff
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = ROOT / "recipes" / "tiny" / "galore.yaml"
+BIN = Path(sys.executable).parent
+
+
+def _sets(overrides: list[str]) -> list[str]:
+    return [a for o in overrides for a in ("--set", o)]
+
+
+def _accelerate(config: str, out: Path, extra: list[str]) -> list[str]:
+    return [
+        str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "recipes" / "accelerate" / config),
+        "--main_process_port", str(free_port()), "-m", "effpretrain", "train", str(RECIPE),
+        "--out", str(out), *_sets([*COMMON, "train.batch_size=2", *extra]),
+    ]  # fmt: skip
+
+
+LAUNCHES = {
+    "accelerate-ddp": lambda out: _accelerate("ddp_cpu.yaml", out, []),
+    "accelerate-fsdp2": lambda out: _accelerate("fsdp2_cpu.yaml", out, ["dist.sharding=fsdp2"]),
+    "torchrun-fsdp2": lambda out: [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "effpretrain",
+        "train",
+        str(RECIPE),
+        "--out",
+        str(out),
+        *_sets([*COMMON, "train.batch_size=2", "dist.sharding=fsdp2"]),
+    ],  # fmt: skip
+    # The reference: one process at the global batch 2 x 2 (the same 8 validation rows).
+    "one-process": lambda out: [
+        sys.executable,
+        "-m",
+        "effpretrain",
+        "train",
+        str(RECIPE),
+        "--out",
+        str(out),
+        *_sets([*COMMON, "train.batch_size=4"]),
+    ],  # fmt: skip
+}
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    if shutil.which("accelerate", path=str(BIN)) is None:
+        pytest.fail("the accelerate CLI is not installed beside this Python (pip install -e '.[dev]')")
+    out = tmp_path_factory.mktemp("launchers")
+    for name, cmd in LAUNCHES.items():
+        res = subprocess.run(cmd(out / name), env=_env(), capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, f"{name}: {res.stderr[-3000:]}"
+    return out
+
+
+@pytest.mark.parametrize("name", ["accelerate-ddp", "accelerate-fsdp2", "torchrun-fsdp2"])
+def test_two_processes_at_batch_b_match_one_process_at_2b(name, launched):
+    two = json.loads((launched / name / "summary.json").read_text())
+    one = json.loads((launched / "one-process" / "summary.json").read_text())
+    assert two["world_size"] == 2 and one["world_size"] == 1
+    assert two["sharding"] == ("ddp" if name == "accelerate-ddp" else "fsdp2")
+    assert two["tokens"] == one["tokens"] == 20 * 4 * 32
+    assert abs(two["final_val_loss"] - one["final_val_loss"]) <= 1e-5 * one["final_val_loss"]
+    assert rel_diff(final(launched / name), final(launched / "one-process")) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("env", "sharding", "needle"),
+    [
+        ({"FSDP_VERSION": "2"}, "ddp", "pass --set dist.sharding=fsdp2"),
+        ({"FSDP_VERSION": "1"}, "fsdp2", "FSDP version 1"),
+    ],
+)
+def test_accelerate_fsdp_config_must_agree_with_the_recipe(env, sharding, needle, monkeypatch):
+    from effpretrain.config import ConfigError, load_config
+    from effpretrain.trainer import check_launch
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ConfigError, match=needle):
+        check_launch(2, load_config(None, [f"dist.sharding={sharding}"]))
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    check_launch(2, load_config(None, ["dist.sharding=fsdp2"]))  # agreeing: accepted
