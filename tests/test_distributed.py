@@ -18,7 +18,11 @@ from distributed_helpers import COMMON, final, free_port, rel_diff
 from effpretrain.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
-METHODS = ["adamw", "galore", "fira", "apollo", "lowrank_restarts", "sltrain"]
+# Issue #5's six, then every other method, so that DDP parity covers each registered optimizer and
+# factorized kind (DDP needs nothing method-specific: gradients are all-reduced before the step).
+METHODS = ["adamw", "galore", "fira", "apollo", "lowrank_restarts", "sltrain"] + [
+    "apollo_mini", "spam", "stable_spam", "adamw_8bit", "galore_8bit", "lora", "relora",
+]  # fmt: skip
 RESUME_METHODS = ["galore", "lowrank_restarts"]
 
 WORKER = textwrap.dedent(
