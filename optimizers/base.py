@@ -306,13 +306,7 @@ class ProjectedAdam(torch.optim.Optimizer):
         if method != "random":
             # Allocated now (zeros) so a dummy step materialises every key with its final shape.
             bshape = proj.basis_shape(shape, group["rank"], side, method)
-            if side == "full":
-                state["basis"] = torch.zeros(bshape, dtype=p.dtype, device=p.device)
-            else:
-                # Column-major (as galore-torch's projector holds it): the products G P^T / P^T G
-                # and the addmm_ back to W run 5-15% faster on CPU BLAS with this operand layout
-                # (benchmarks/optimizer_step.py). Shape and values are unchanged; only strides.
-                state["basis"] = torch.zeros(bshape[::-1], dtype=p.dtype, device=p.device).t()
+            state["basis"] = torch.zeros(bshape, dtype=p.dtype, device=p.device)
         self._init_extra_state(p, group, state)
 
     # ------------------------------------------------------------------ numerics

@@ -72,7 +72,7 @@ CASES = {
     },
 }
 # Resumed under 2 FSDP2 processes: restarts on sharded factors; GaLore-8bit (whole projected
-# state with a column-major basis, whole 8-bit dense moments); bitsandbytes' AdamW8bit (its own
+# state and basis, whole 8-bit dense moments); bitsandbytes' AdamW8bit (its own
 # nested state dict); Stable-SPAM (sharded moments plus whole scalar statistics).
 RESUMES = ["lowrank_restarts", "galore_8bit", "adamw_8bit", "stable_spam"]
 RESUME = RESUMES[0]
