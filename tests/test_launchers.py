@@ -25,44 +25,36 @@ def _sets(overrides: list[str]) -> list[str]:
     return [a for o in overrides for a in ("--set", o)]
 
 
-def _accelerate(config: str, out: Path, extra: list[str]) -> list[str]:
+def _train(launcher: list[str], out: Path, extra: list[str]) -> list[str]:
+    """`<launcher> -m effpretrain train galore.yaml --out OUT` with the shared tiny overrides."""
+    cli = ["-m", "effpretrain", "train", str(RECIPE), "--out", str(out)]
+    return [*launcher, *cli, *_sets([*COMMON, *extra])]
+
+
+def _accelerate(config: str) -> list[str]:
+    path = ROOT / "recipes" / "accelerate" / config
     return [
-        str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "recipes" / "accelerate" / config),
-        "--main_process_port", str(free_port()), "-m", "effpretrain", "train", str(RECIPE),
-        "--out", str(out), *_sets([*COMMON, "train.batch_size=2", *extra]),
-    ]  # fmt: skip
-
-
-LAUNCHES = {
-    "accelerate-ddp": lambda out: _accelerate("ddp_cpu.yaml", out, []),
-    "accelerate-fsdp2": lambda out: _accelerate("fsdp2_cpu.yaml", out, ["dist.sharding=fsdp2"]),
-    "torchrun-fsdp2": lambda out: [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
+        str(BIN / "accelerate"),
+        "launch",
+        "--config_file",
+        str(path),
+        "--main_process_port",
         str(free_port()),
-        "-m",
-        "effpretrain",
-        "train",
-        str(RECIPE),
-        "--out",
-        str(out),
-        *_sets([*COMMON, "train.batch_size=2", "dist.sharding=fsdp2"]),
-    ],  # fmt: skip
+    ]
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+PER_PROCESS = ["train.batch_size=2"]
+LAUNCHES = {
+    "accelerate-ddp": lambda out: _train(_accelerate("ddp_cpu.yaml"), out, PER_PROCESS),
+    "accelerate-fsdp2": lambda out: _train(
+        _accelerate("fsdp2_cpu.yaml"), out, [*PER_PROCESS, "dist.sharding=fsdp2"]
+    ),
+    "torchrun-fsdp2": lambda out: _train(
+        [*TORCHRUN, "--master_port", str(free_port())], out, [*PER_PROCESS, "dist.sharding=fsdp2"]
+    ),
     # The reference: one process at the global batch 2 x 2 (the same 8 validation rows).
-    "one-process": lambda out: [
-        sys.executable,
-        "-m",
-        "effpretrain",
-        "train",
-        str(RECIPE),
-        "--out",
-        str(out),
-        *_sets([*COMMON, "train.batch_size=4"]),
-    ],  # fmt: skip
+    "one-process": lambda out: _train([sys.executable], out, ["train.batch_size=4"]),
 }
 
 
