@@ -31,11 +31,16 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def sum_squares_fp64(t: torch.Tensor) -> torch.Tensor:
-    """sum(t^2) of a plain tensor, accumulated in fp64 chunk by chunk (a 0-dim fp64 tensor)."""
+    """sum(t^2) of a plain tensor, accumulated in fp64 (a 0-dim fp64 tensor).
+
+    torch's fp64 norm of an fp32 tensor converts a copy first, so large tensors go chunk by chunk.
+    """
+    flat = t.detach().reshape(-1)
+    if flat.numel() <= _CHUNK:
+        return torch.linalg.vector_norm(flat, dtype=torch.float64).square()
     total = torch.zeros((), dtype=torch.float64, device=t.device)
-    for chunk in t.detach().reshape(-1).split(_CHUNK):
-        c = chunk.double()
-        total += torch.dot(c, c)
+    for chunk in flat.split(_CHUNK):
+        total += torch.linalg.vector_norm(chunk, dtype=torch.float64).square()
     return total
 
 
