@@ -210,10 +210,13 @@ def _check_dcp_metadata(path: Path) -> None:
         raise ConfigError(f"checkpoint {path}: dcp/.metadata refused or corrupt ({msg})") from None
 
 
-def read_model_state(path: Path) -> dict[str, torch.Tensor]:
+def read_model_state(path: Path, state: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """The whole model state dict of checkpoint folder `path`, in this process, on CPU, whichever
-    way it was written (safetensors, or FSDP2's sharded dcp/); ConfigError if unreadable."""
-    state = load_checkpoint(path)
+    way it was written (safetensors, or FSDP2's sharded dcp/); ConfigError if unreadable.
+
+    `state`: the folder's `load_checkpoint` result when the caller already has it (not read again).
+    """
+    state = state if state is not None else load_checkpoint(path)
     if not state["sharded"]:
         return state["model"]
     from torch.distributed.checkpoint.api import CheckpointException

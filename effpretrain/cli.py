@@ -181,7 +181,7 @@ def cmd_eval(args) -> int:
 
         from effpretrain.checkpoint import read_model_state
 
-        weights = read_model_state(path)
+        weights = read_model_state(path, state)
         with tempfile.TemporaryDirectory() as scratch:
             trainer = Trainer(cfg, Path(scratch))
             model = trainer.acc.unwrap_model(trainer.model)

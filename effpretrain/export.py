@@ -29,7 +29,7 @@ def export(run_or_ckpt: str | Path, out: str | Path) -> Path:
         raise ConfigError(f"export: {run_or_ckpt} holds no complete checkpoint")
     state = load_checkpoint(path)
     cfg = validate(from_dict(state["trainer"]["config"], str(path)), str(path))
-    weights = read_model_state(path)  # whole, also from an FSDP2 run's sharded dcp/
+    weights = read_model_state(path, state)  # whole, also from an FSDP2 run's sharded dcp/
     vocab = weights["model.embed_tokens.weight"].shape[0]
     model, _ = build_run_model(cfg, vocab)
     missing, unexpected = model.load_state_dict(weights, strict=False)

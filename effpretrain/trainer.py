@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import optimizers
 from effpretrain import checkpoint as ckpt
 from effpretrain import data as data_mod
-from effpretrain import memory
+from effpretrain import fsdp, memory
 from effpretrain.config import ConfigError, RunConfig, config_hash, dump_yaml, to_dict
 from effpretrain.models import build_model, set_activation_checkpointing
 from optimizers._sharded import local as _local
@@ -302,8 +302,6 @@ class Trainer:
         # FSDP2: shard before the optimizer is built, since fully_shard replaces the parameters.
         self.fsdp = self.world > 1 and cfg.dist.sharding == "fsdp2"
         if self.fsdp:
-            from effpretrain import fsdp
-
             model = fsdp.apply_fsdp2(model)
 
         # Optimizer (+ restart events) and schedule
@@ -376,8 +374,6 @@ class Trainer:
             # adds trainer.pt (with the optimizer's non-tensor skeleton) and commits the folder.
             import torch.distributed as dist
 
-            from effpretrain import fsdp
-
             box = [str(ckpt.temp_folder(root, self.progress.step)) if self.is_main else None]
             dist.broadcast_object_list(box, src=0)
             tmp = Path(box[0])
@@ -443,8 +439,6 @@ class Trainer:
         model = self.acc.unwrap_model(self.model)
         if self.fsdp:
             from torch.distributed.checkpoint.api import CheckpointException
-
-            from effpretrain import fsdp
 
             # Each rank reads its own shards of the model and of the sharded optimizer state.
             try:
@@ -644,8 +638,6 @@ class Trainer:
             loss_sum += s.detach()
         loss = self.acc.reduce(loss_sum, reduction="sum").item() / n_targets
         # One norm for every launch mode (fp64 partial sums): one process, DDP and FSDP2 clip alike.
-        from effpretrain import fsdp
-
         gnorm = fsdp.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
         finite = math.isfinite(loss) and math.isfinite(gnorm)
         if finite:

@@ -16,13 +16,18 @@ _CHUNK = 1 << 22
 """Entries per fp64 partial sum: bounds the transient fp64 copy to 32 MiB."""
 
 
-def shard_group(t: torch.Tensor) -> Any:
-    """The process group a DTensor is split over, or None for a plain tensor."""
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether `t` is a DTensor (an FSDP2-sharded parameter, gradient or state tensor)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch build without distributed support
-        return None
-    return t.device_mesh.get_group() if isinstance(t, DTensor) else None
+        return False
+    return isinstance(t, DTensor)
+
+
+def shard_group(t: torch.Tensor) -> Any:
+    """The process group a DTensor is split over, or None for a plain tensor."""
+    return t.device_mesh.get_group() if is_dtensor(t) else None
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

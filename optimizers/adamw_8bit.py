@@ -95,29 +95,27 @@ class AdamW8bit(bnb.optim.AdamW8bit):
         every rank (2 bytes per entry plus block scales, not divided by the world size); cost per
         weight and step: two all-gathers and two transient full-size buffers.
         """
-        from optimizers.base import _is_dtensor
+        from optimizers._sharded import is_dtensor, whole, write_whole_
 
         swaps = []
         for group in self.param_groups:
             for i, p in enumerate(group["params"]):
-                if p.grad is not None and _is_dtensor(p):
-                    whole = p.full_tensor()
-                    whole.grad = p.grad.full_tensor()
+                if p.grad is not None and is_dtensor(p):
+                    full = whole(p)
+                    full.grad = whole(p.grad)
                     if p in self.state:
-                        self.state[whole] = self.state.pop(p)
-                    group["params"][i] = whole
-                    swaps.append((group, i, p, whole))
+                        self.state[full] = self.state.pop(p)
+                    group["params"][i] = full
+                    swaps.append((group, i, p, full))
         try:
             return super().step(closure)
         finally:
             # Restored even on error: param_groups and state are keyed by the real parameters.
-            from torch.distributed.tensor import distribute_tensor
-
-            for group, i, p, whole in swaps:
+            for group, i, p, full in swaps:
                 group["params"][i] = p
-                if whole in self.state:
-                    self.state[p] = self.state.pop(whole)
-                p.copy_(distribute_tensor(whole.detach(), p.device_mesh, p.placements, src_data_rank=None))
+                if full in self.state:
+                    self.state[p] = self.state.pop(full)
+                write_whole_(p, full.detach())
 
     @classmethod
     def state_bytes(cls, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:

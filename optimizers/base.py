@@ -84,6 +84,8 @@ from typing import Any, ClassVar
 import torch
 
 from optimizers import projection as proj
+from optimizers._sharded import is_dtensor as _is_dtensor
+from optimizers._sharded import local, whole, write_whole_
 
 ADAM_CONVENTIONS: tuple[str, ...] = ("reference", "torch")
 
@@ -95,15 +97,6 @@ def _sample(g: torch.Tensor, size: int = 256) -> torch.Tensor:
     if n <= 16 * size or not g.is_contiguous():
         return g
     return g.view(-1)[:: n // size]
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    """Whether `t` is a DTensor (an FSDP2-sharded parameter or gradient)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch build without distributed support
-        return False
-    return isinstance(t, DTensor)
 
 
 def itemsize(dtype: torch.dtype) -> int:
@@ -494,8 +487,7 @@ class ProjectedAdam(torch.optim.Optimizer):
             # identically on every rank (the projected step has collectives).
             import torch.distributed as dist
 
-            local = [g.to_local() if _is_dtensor(g) else g for g in grads]
-            norms = torch.stack([n.float() for n in torch._foreach_norm(local, ord=2)])
+            norms = torch.stack([n.float() for n in torch._foreach_norm([local(g) for g in grads], ord=2)])
             nonzero = norms.ne(0).float()
             dist.all_reduce(nonzero, op=dist.ReduceOp.MAX, group=sharded[0].device_mesh.get_group())
             return [bool(v) for v in nonzero.tolist()]
@@ -586,13 +578,9 @@ class ProjectedAdam(torch.optim.Optimizer):
         `SHARDED_DENSE` False) step their non-projected weights this way too, so the 8-bit blocks
         are those of a single process; that state is then whole on every rank as well.
         """
-        from torch.distributed.tensor import distribute_tensor
-
-        grad = p.grad.full_tensor()
-        weight = p.full_tensor()
-        step_fn(weight, grad, state, group)
-        # `weight` is identical on every rank: each keeps its own chunk, no communication.
-        p.copy_(distribute_tensor(weight, p.device_mesh, p.placements, src_data_rank=None))
+        weight = whole(p)
+        step_fn(weight, whole(p.grad), state, group)
+        write_whole_(p, weight)  # identical on every rank: each keeps its own chunk
 
     # ------------------------------------------------------------------ checkpoint
 

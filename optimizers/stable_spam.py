@@ -64,6 +64,14 @@ def _adamw_update_(
     p.addcdiv_(exp_avg, denom, value=-step_size)
 
 
+def _init_adam_state(state: dict[str, Any], p: torch.Tensor) -> None:
+    """Adam's step counters and zero moments (shaped, and under FSDP2 sharded, like `p`)."""
+    state["step"] = 0
+    state["global_step"] = 0
+    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
 def _cosine(progress: float) -> float:
     """Half-cosine from 1 (progress 0) to 0 (progress >= 1)."""
     return 0.5 * (1.0 + math.cos(math.pi * min(max(progress, 0.0), 1.0)))
@@ -221,10 +229,7 @@ class StableSPAM(torch.optim.Optimizer):
                     raise RuntimeError("StableSPAM does not support sparse gradients")
                 state = self.state[p]
                 if "exp_avg" not in state:
-                    state["step"] = 0
-                    state["global_step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    _init_adam_state(state, p)
                     for key in self._FP32_KEYS:
                         state[key] = torch.zeros((), dtype=torch.float32, device=p.device)
 
@@ -410,10 +415,7 @@ class SPAM(torch.optim.Optimizer):
                     raise RuntimeError("SPAM does not support sparse gradients")
                 state = self.state[p]
                 if "exp_avg" not in state:
-                    state["step"] = 0
-                    state["global_step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    _init_adam_state(state, p)
 
                 state["global_step"] += 1
                 t = state["global_step"]
