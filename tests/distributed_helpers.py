@@ -3,7 +3,10 @@ how final weights are read and compared."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -43,3 +46,37 @@ def final(run: Path) -> dict[str, torch.Tensor]:
 def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k].float() - b[k].float()).norm() / b[k].float().norm().clamp_min(1e-12)) for k in a)
+
+
+def run_worker_pair(worker_source: str, out: Path, tail: list[str]) -> None:
+    """Writes `worker_source` to out/worker.py and runs it as 2 torchrun processes ("two") and,
+    at the same time, as one plain process ("one"), both with argv [repo root, out, mode, *tail]
+    and one thread each; fails the test with the stderr tail of a run that did not succeed."""
+    root = Path(__file__).resolve().parent.parent
+    worker = out / "worker.py"
+    worker.write_text(worker_source)
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    )
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+    ]
+    procs = [
+        subprocess.Popen(
+            [*launcher, str(worker), str(root), str(out), mode, *tail],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for launcher, mode in ((torchrun, "two"), ([sys.executable], "one"))
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=1200)
+        assert proc.returncode == 0, err[-4000:]

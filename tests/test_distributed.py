@@ -5,15 +5,12 @@ the processes it asked for is refused."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from distributed_helpers import COMMON, final, free_port, rel_diff
+from distributed_helpers import COMMON, final, rel_diff, run_worker_pair
 
 from effpretrain.config import load_config
 
@@ -63,42 +60,7 @@ def runs(tmp_path_factory):
     what makes a 1e-5 agreement meaningful rather than lucky.
     """
     out = tmp_path_factory.mktemp("dist")
-    worker = out / "worker.py"
-    worker.write_text(WORKER)
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
-    )
-    args = [str(ROOT), str(out)]
-    tail = [",".join(METHODS), ",".join(RESUME_METHODS), *COMMON]
-    two = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(free_port()),
-            str(worker),
-            *args,
-            "two",
-            *tail,
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    one = subprocess.Popen(
-        [sys.executable, str(worker), *args, "one", *tail],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    for proc in (two, one):
-        _, err = proc.communicate(timeout=1200)
-        assert proc.returncode == 0, err[-4000:]
+    run_worker_pair(WORKER, out, [",".join(METHODS), ",".join(RESUME_METHODS), *COMMON])
     return out
 
 

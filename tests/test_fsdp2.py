@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_helpers import COMMON, final, free_port, rel_diff
+from distributed_helpers import COMMON, final, rel_diff, run_worker_pair
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -124,30 +124,7 @@ WORKER = textwrap.dedent(
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2")
-    worker = out / "worker.py"
-    worker.write_text(WORKER)
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
-    )
-    tail = [json.dumps(CASES), ",".join(RESUMES), *COMMON]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    two = subprocess.Popen(
-        [*launch, "--master_port", str(free_port()), str(worker), str(ROOT), str(out), "two", *tail],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    one = subprocess.Popen(
-        [sys.executable, str(worker), str(ROOT), str(out), "one", *tail],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    for proc in (two, one):
-        _, err = proc.communicate(timeout=1200)
-        assert proc.returncode == 0, err[-4000:]
+    run_worker_pair(WORKER, out, [json.dumps(CASES), ",".join(RESUMES), *COMMON])
     return out
 
 
