@@ -16,13 +16,21 @@ _CHUNK = 1 << 22
 """Entries per fp64 partial sum: bounds the transient fp64 copy to 32 MiB."""
 
 
+_DTENSOR: list[type] = []
+"""DTensor's class, looked up on first use (NoneType in a torch build without distributed)."""
+
+
 def is_dtensor(t: torch.Tensor) -> bool:
     """Whether `t` is a DTensor (an FSDP2-sharded parameter, gradient or state tensor)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch build without distributed support
+    if type(t) is torch.Tensor:  # the common case, without a lookup
         return False
-    return isinstance(t, DTensor)
+    if not _DTENSOR:
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # a torch build without distributed support
+            DTensor = type(None)
+        _DTENSOR.append(DTensor)
+    return isinstance(t, _DTENSOR[0])
 
 
 def shard_group(t: torch.Tensor) -> Any:

@@ -96,7 +96,53 @@ def _sample(g: torch.Tensor, size: int = 256) -> torch.Tensor:
     n = g.numel()
     if n <= 16 * size or not g.is_contiguous():
         return g
-    return g.view(-1)[:: n // size]
+    return g.as_strided((size,), (n // size,))  # one dispatch (a view plus a slice is two)
+
+
+_FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _fusable(m: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether torch's fused Adam kernel can advance these moments: plain (not DTensor or other
+    subclass), contiguous tensors of one float dtype and shape on one CPU or CUDA device."""
+    return (
+        type(m) is type(v) is type(x) is torch.Tensor
+        and m.dtype == v.dtype == x.dtype
+        and x.dtype in _FUSED_DTYPES
+        and m.device == v.device == x.device
+        and x.device.type in ("cpu", "cuda")
+        and m.shape == x.shape
+        and m.is_contiguous()
+        and v.is_contiguous()
+        and x.is_contiguous()
+    )
+
+
+def _fused_normalised(
+    m: torch.Tensor, v: torch.Tensor, x: torch.Tensor, t: int, group: dict[str, Any], bc1: float, bc2: float
+) -> tuple[torch.Tensor, float]:
+    """`ProjectedAdam._adam_math` (bias-corrected) in one pass of torch's fused Adam kernel.
+
+    The kernel updates M and V as Adam does and then a "parameter" P by
+    P <- P - (lr / bc1) M / (sqrt(V) / sqrt(bc2) + eps'). Starting from P = 0 with
+    lr = -bc1 / sqrt(bc2) and eps' = eps / sqrt(bc2) leaves P = M / (sqrt(V) + eps) (the
+    reference convention's N); lr = -bc1 and eps' = eps leave the torch convention's N. Three
+    dispatches (zeros, the step count, the kernel) instead of seven element-wise passes; this
+    matters for small low-rank moments, whose step is dominated by per-operation overhead.
+    """
+    beta1, beta2 = group["betas"]
+    norm = torch.zeros_like(m)
+    steps = torch.full((), float(t), dtype=torch.float32, device=m.device)
+    if group["adam_convention"] == "torch":
+        lr, eps, step_size = -bc1, group["eps"], group["lr"] / bc1
+    else:
+        root = math.sqrt(bc2)
+        lr, eps, step_size = -bc1 / root, group["eps"] / root, group["lr"] * root / bc1
+    torch._fused_adam_(
+        [norm], [x], [m], [v], [], [steps],
+        lr=lr, beta1=beta1, beta2=beta2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
+    )  # fmt: skip
+    return norm, step_size
 
 
 def itemsize(dtype: torch.dtype) -> int:
@@ -383,12 +429,18 @@ class ProjectedAdam(torch.optim.Optimizer):
 
         `out`: a buffer shaped like M that may be overwritten (x itself when the caller no longer
         needs it): N is computed into it with the same operations, so no temporaries are allocated.
+
+        With bias correction on plain contiguous CPU/CUDA tensors of one dtype, torch's fused
+        Adam kernel does all of it in one pass (`_fused_normalised`; N then lands in a new
+        buffer and `out` is unused); the result differs from the op-by-op one by fp32 rounding.
         """
         beta1, beta2 = group["betas"]
-        m.mul_(beta1).add_(x, alpha=1.0 - beta1)
-        v.mul_(beta2).addcmul_(x, x, value=1.0 - beta2)
         bc1 = 1.0 - beta1**t if group["correct_bias"] else 1.0
         bc2 = 1.0 - beta2**t if group["correct_bias"] else 1.0
+        if group["correct_bias"] and _fusable(m, v, x):
+            return _fused_normalised(m, v, x, t, group, bc1, bc2)
+        m.mul_(beta1).add_(x, alpha=1.0 - beta1)
+        v.mul_(beta2).addcmul_(x, x, value=1.0 - beta2)
         denom = torch.sqrt(v, out=out) if out is not None else v.sqrt()
         if group["adam_convention"] == "torch":
             denom.div_(math.sqrt(bc2)).add_(group["eps"])
@@ -499,7 +551,9 @@ class ProjectedAdam(torch.optim.Optimizer):
             # a large matrix at a fraction of a full pass; only a gradient whose sample is all zero
             # gets a full norm. Both answers are exact: a nonzero sample entry is a nonzero entry.
             views = [_sample(grads[i]) for i in idx]
-            norms = torch.stack(torch._foreach_norm(views, ord=2, dtype=torch.float32)).tolist()
+            # fp32 norms (a tiny fp16 norm would round to zero); fp32 gradients need no cast.
+            cast = {} if all(v.dtype == torch.float32 for v in views) else {"dtype": torch.float32}
+            norms = torch.stack(torch._foreach_norm(views, ord=2, **cast)).tolist()
             unsure = []
             for i, view, norm in zip(idx, views, norms):
                 flags[i] = norm != 0.0  # nan (an inf/nan entry) counts as nonzero
