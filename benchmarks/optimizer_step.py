@@ -141,7 +141,9 @@ def bench_shape(
         for _, opt in warm.values():
             opt.step()
     del warm
-    steps = args.steps if args.steps is not None else (20 if m * n <= 1 << 20 else 5)
+    # A 60M-size step takes milliseconds: many samples there make the medians steady on a shared
+    # machine; a 1B-size step takes a second or more on a CPU.
+    steps = args.steps if args.steps is not None else (50 if m * n <= 1 << 20 else 5)
     # Which one runs first alternates from round to round: the second of a pair finds caches
     # warmed by the first (the same G), which would otherwise favour one side throughout.
     orders = (("ours", "ref"), ("ref", "ours"))
@@ -162,7 +164,7 @@ def bench_shape(
         rank, proj_type="std"
     )
     # A basis computation of a 60M-size matrix takes milliseconds: time it more often there.
-    refresh_reps = args.reps if m * n > 1 << 20 else max(args.reps, 7)
+    refresh_reps = args.reps if m * n > 1 << 20 else max(args.reps, 15)
     compute = {
         "ours": lambda rep: proj.compute_basis(
             grad, rank, side, "randomized_svd", seed=rep, refresh=1, **ours_kw
@@ -226,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         "--steps",
         type=int,
         default=None,
-        help="plain steps timed per repetition (default 20; 5 above 1M entries)",
+        help="plain steps timed per repetition (default 50; 5 above 1M entries)",
     )
     ap.add_argument("--reps", type=int, default=None, help="repetitions (medians are reported)")
     ap.add_argument("--oversample", type=int, default=proj.DEFAULT_OVERSAMPLE, help="randomized_svd p")

@@ -107,14 +107,12 @@ def _fusable(m: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> bool:
     subclass), contiguous tensors of one float dtype and shape on one CPU or CUDA device."""
     return (
         type(m) is type(v) is type(x) is torch.Tensor
-        and m.dtype == v.dtype == x.dtype
-        and x.dtype in _FUSED_DTYPES
-        and m.device == v.device == x.device
-        and x.device.type in ("cpu", "cuda")
+        and m.dtype == v.dtype == x.dtype in _FUSED_DTYPES
+        and x.device.type in ("cpu", "cuda")  # the kernel itself refuses tensors on two devices
         and m.shape == x.shape
+        and x.is_contiguous()  # the kernel reads memory in order: it needs contiguous tensors
         and m.is_contiguous()
         and v.is_contiguous()
-        and x.is_contiguous()
     )
 
 
@@ -361,8 +359,11 @@ class ProjectedAdam(torch.optim.Optimizer):
         Returns None only when no basis exists yet and computing the first one failed; the caller
         then skips the parameter without advancing its counter, so the next step retries.
         """
-        side, method = self._side(p, group), group["basis"]
+        method = group["basis"]
         due = self._refresh_due(state, group)
+        if not due and method != "random":
+            return state["basis"]  # most steps: nothing else to do
+        side = self._side(p, group)
         if method == "random":
             if due:
                 state["refresh"] += 1
@@ -376,8 +377,6 @@ class ProjectedAdam(torch.optim.Optimizer):
                 device=p.device,
             )
             return basis.to(p.dtype)
-        if not due:
-            return state["basis"]
         prev = state["basis"] if state["refresh"] > 0 else None
         stats = proj.RefreshStats()
         new = proj.compute_basis(
@@ -459,9 +458,12 @@ class ProjectedAdam(torch.optim.Optimizer):
         alpha: float = 1.0,
     ) -> None:
         """W <- W - eta_t alpha D, with decoupled weight decay before (torch) or after (reference)."""
-        self._decay(p, group, before=True)
+        decay = group["weight_decay"] != 0.0
+        if decay:
+            self._decay(p, group, before=True)
         p.add_(update, alpha=-step_size * alpha)
-        self._decay(p, group, before=False)
+        if decay:
+            self._decay(p, group, before=False)
 
     @staticmethod
     def _decay(p: torch.Tensor, group: dict[str, Any], before: bool) -> None:
@@ -551,9 +553,12 @@ class ProjectedAdam(torch.optim.Optimizer):
             # a large matrix at a fraction of a full pass; only a gradient whose sample is all zero
             # gets a full norm. Both answers are exact: a nonzero sample entry is a nonzero entry.
             views = [_sample(grads[i]) for i in idx]
-            # fp32 norms (a tiny fp16 norm would round to zero); fp32 gradients need no cast.
-            cast = {} if all(v.dtype == torch.float32 for v in views) else {"dtype": torch.float32}
-            norms = torch.stack(torch._foreach_norm(views, ord=2, **cast)).tolist()
+            if len(views) == 1:  # one norm: no list of results to stack
+                norms = [float(torch.linalg.vector_norm(views[0], dtype=torch.float32))]
+            else:
+                # fp32 norms (a tiny fp16 norm would round to zero); fp32 gradients need no cast.
+                cast = {} if all(v.dtype == torch.float32 for v in views) else {"dtype": torch.float32}
+                norms = torch.stack(torch._foreach_norm(views, ord=2, **cast)).tolist()
             unsure = []
             for i, view, norm in zip(idx, views, norms):
                 flags[i] = norm != 0.0  # nan (an inf/nan entry) counts as nonzero
@@ -596,11 +601,11 @@ class ProjectedAdam(torch.optim.Optimizer):
                 self._init_state(p, group, state, idx)
             if not nonzero:
                 continue
-            if group["project"] and _is_dtensor(p):
-                self._whole_step_sharded(p, state, group, self._projected_step)
+            if not _is_dtensor(p):
+                (self._projected_step if group["project"] else self._dense_step)(p, p.grad, state, group)
             elif group["project"]:
-                self._projected_step(p, p.grad, state, group)
-            elif _is_dtensor(p) and not self.SHARDED_DENSE:
+                self._whole_step_sharded(p, state, group, self._projected_step)
+            elif not self.SHARDED_DENSE:
                 self._whole_step_sharded(p, state, group, self._dense_step)
             else:
                 self._dense_step(p, p.grad, state, group)

@@ -326,12 +326,12 @@ def _randomized_left_vectors(
         y = a @ (a.t() @ _span_normalize(y))
     w = a.t() @ _span_normalize(y)
     # A P_W A^T = C (W^T W)^{-1} C^T = D D^T for C = A W and D = C L^{-T}.
+    # A zero column of W (a zero gradient) makes the scaled Gram NaN: Cholesky fails. Otherwise
+    # the shift bounds L^{-1}, so D is finite for a finite G (which compute_basis checked).
     chol = _cholesky_factor(w.t() @ w)
-    if chol is not None:
-        d = torch.linalg.solve_triangular(chol.t(), a @ w, upper=True, left=False)
-        if _finite(d):
-            return _top_left(d, r)
-    return _top_left(a @ _orth(w), r)  # W numerically rank deficient (e.g. a zero gradient)
+    if chol is None:
+        return _top_left(a @ _orth(w), r)
+    return _top_left(torch.linalg.solve_triangular(chol.t(), a @ w, upper=True, left=False), r)
 
 
 def randomized_svd_basis(
