@@ -22,8 +22,7 @@ Methods (`method` argument, the optimizers' ``basis`` group key):
   k = r + p columns (p = `oversample`), `power_iters` (q) rounds of subspace iteration
   (pivoted-LU normalisation between rounds, Householder QR for the returned orthonormal
   columns), the last round finished by Rayleigh-Ritz on the other side of G, which saves one of
-  Halko's products, through a small Cholesky factor instead of a QR of the long side (see
-  `_randomized_left_vectors`); the top-r vectors come from the
+  Halko's products, usually through a QR's R factor alone (see `_randomized_left_vectors`); the top-r vectors come from the
   eigenvectors of a small k x k Gram. With `prev` (the previous basis) the sketch starts from
   it (warm start) and only the p extra columns are random. The Gaussian draws come from a
   ``torch.Generator`` seeded by ``mix_seed(seed, refresh)``, so a basis is reproducible from
@@ -63,6 +62,11 @@ DEFAULT_OVERSAMPLE: int = 8
 
 DEFAULT_POWER_ITERS: int = 1
 """Default q: subspace-iteration rounds of randomized_svd. See benchmarks/optimizer_step.py."""
+
+_MIN_PIVOT: float = 1e-4
+"""Smallest |R_ii| / max |R_ii| of W's R factor for which randomized_svd applies R^{-1} to A W
+instead of forming W's Q (see `_randomized_left_vectors`): at 1e-4 the captured energy matches
+the formed-Q path's to ~1e-5 of the exact basis's on power-law spectra."""
 
 _MASK64 = (1 << 64) - 1
 _failed_total = 0
@@ -250,23 +254,6 @@ def _orth(y: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(y, mode="reduced")[0]
 
 
-def _cholesky_factor(gram: torch.Tensor) -> torch.Tensor | None:
-    """Lower triangular L with L L^T = Gram (+ a tiny shift); None when the factorisation fails.
-
-    Factorises the Jacobi-scaled Gram (unit diagonal, so the test for positive pivots sees only
-    the columns' linear dependence, not their lengths) and scales back. The shift, 1e-7 on that
-    unit diagonal (about two fp32 roundings), keeps numerically singular Grams factorisable; the
-    directions it damps are below what an fp32 Gram resolves (shifts of 1e-6 and more measurably
-    cost captured energy on power-law spectra). One host synchronisation (the info flag); a
-    non-finite Gram surfaces later as a non-finite product, which callers check.
-    """
-    scale = gram.diagonal().sqrt()
-    unit = gram / scale[:, None] / scale[None, :]
-    unit.diagonal().add_(1e-7)
-    chol, info = torch.linalg.cholesky_ex(unit)
-    return chol * scale[:, None] if int(info) == 0 else None
-
-
 def _top_left(c: torch.Tensor, r: int) -> torch.Tensor:
     """Top-r left singular vectors of a tall-or-square C (rows x k, k small), orthonormal.
 
@@ -298,10 +285,12 @@ def _randomized_left_vectors(
     spanning W). range(A Q_W) is the subspace Halko's round gives, and A W costs the product
     that his B = Q^T A would; the product he spends forming Y = A W before it is saved. So a
     cold start costs 2q + 1 products with A, a warm start 2q plus one with p columns. Q_W is
-    never formed: with W^T W = L L^T (a k x k Cholesky), A Q_W = (A W) L^{-T} up to a k x k
-    rotation, which leaves the left singular vectors unchanged; a triangular solve on the
-    rows x k product replaces a Householder QR of the cols x k W (half the cost at 1376 x 136).
-    With q = 0 the sketch itself is the subspace: U = top-r left singular vectors of Q Q^T A,
+    usually not formed: Householder's R factor (W = Q_W R) gives A Q_W = (A W) R^{-1}, a
+    triangular solve on the rows x k product, which costs less than forming the cols x k Q_W
+    (5-10% of a refresh at the LLaMA shapes). The solve amplifies rounding by up to
+    cond(R) ~ max |R_ii| / min |R_ii|, so it is used only while that ratio stays below
+    1 / `_MIN_PIVOT`; a steeper spectrum or a rank-deficient W (a low-rank or zero gradient)
+    forms Q_W from the same reflectors. With q = 0 the sketch itself is the subspace: U = top-r left singular vectors of Q Q^T A,
     Q = orth(Y) (one more product).
     """
     rows, cols = a.shape
@@ -325,13 +314,13 @@ def _randomized_left_vectors(
         # (sigma_1 / sigma_k)^2 at most, which the LU absorbs.
         y = a @ (a.t() @ _span_normalize(y))
     w = a.t() @ _span_normalize(y)
-    # A P_W A^T = C (W^T W)^{-1} C^T = D D^T for C = A W and D = C L^{-T}.
-    # A zero column of W (a zero gradient) makes the scaled Gram NaN: Cholesky fails. Otherwise
-    # the shift bounds L^{-1}, so D is finite for a finite G (which compute_basis checked).
-    chol = _cholesky_factor(w.t() @ w)
-    if chol is None:
-        return _top_left(a @ _orth(w), r)
-    return _top_left(torch.linalg.solve_triangular(chol.t(), a @ w, upper=True, left=False), r)
+    # W = Q R (Householder). A well-conditioned R gives A Q = (A W) R^{-1} without forming Q.
+    reflectors, tau = torch.geqrf(w)
+    upper = reflectors[:k].triu()
+    diag = upper.diagonal().abs()
+    if bool(diag.min() > _MIN_PIVOT * diag.max()):
+        return _top_left(torch.linalg.solve_triangular(upper, a @ w, upper=True, left=False), r)
+    return _top_left(a @ torch.linalg.householder_product(reflectors, tau), r)
 
 
 def randomized_svd_basis(

@@ -207,3 +207,23 @@ def test_randomized_svd_is_orthonormal_for_rank_deficient_and_zero_gradients(pow
             torch.testing.assert_close(gram, torch.eye(6), atol=1e-5, rtol=0)
     assert _energy(low, proj.compute_basis(low, 6, "left", "randomized_svd"), "left") > 0.9999
     assert stats.failed == 0
+
+
+@pytest.mark.parametrize("decay", [0.5, 1.0, 2.0, 3.0])
+def test_randomized_svd_r_factor_path_matches_formed_q(monkeypatch: pytest.MonkeyPatch, decay: float) -> None:
+    """Rayleigh-Ritz through W's R factor (A W R^{-1}) and through W's formed Q capture the same
+    energy on power-law spectra, flat (where q = 1 itself falls short of exact) to steep."""
+    gen = torch.Generator().manual_seed(3)
+    m, n, r = 200, 120, 24
+    a = torch.linalg.qr(torch.randn(m, n, generator=gen))[0]
+    b = torch.linalg.qr(torch.randn(n, n, generator=gen))[0]
+    g = (a * (1.0 + torch.arange(n)) ** -decay) @ b.t()
+    exact = _energy(g, proj.compute_basis(g, r, "left", "svd"), "left")
+    energies = {}
+    for name, pivot in (("r_factor", 0.0), ("formed_q", 1.0)):
+        monkeypatch.setattr(proj, "_MIN_PIVOT", pivot)
+        basis = proj.compute_basis(g, r, "left", "randomized_svd", seed=2)
+        torch.testing.assert_close(basis.t() @ basis, torch.eye(r), atol=1e-5, rtol=0)
+        energies[name] = _energy(g, basis, "left")
+    assert energies["formed_q"] >= (0.95 if decay < 1 else 0.999) * exact
+    assert abs(energies["r_factor"] - energies["formed_q"]) <= 1e-4 * exact
