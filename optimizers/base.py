@@ -100,13 +100,15 @@ def _sample(g: torch.Tensor, size: int = 256) -> torch.Tensor:
 
 
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_HAS_FUSED_ADAM = hasattr(torch, "_fused_adam_")  # torch.optim.Adam(fused=True)'s kernel
 
 
 def _fusable(m: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether torch's fused Adam kernel can advance these moments: plain (not DTensor or other
     subclass), contiguous tensors of one float dtype and shape on one CPU or CUDA device."""
     return (
-        type(m) is type(v) is type(x) is torch.Tensor
+        _HAS_FUSED_ADAM
+        and type(m) is type(v) is type(x) is torch.Tensor
         and m.dtype == v.dtype == x.dtype in _FUSED_DTYPES
         and x.device.type in ("cpu", "cuda")  # the kernel itself refuses tensors on two devices
         and m.shape == x.shape
@@ -531,8 +533,9 @@ class ProjectedAdam(torch.optim.Optimizer):
         some large gradient's sample is all zero, as in a checkpoint loader's dummy step).
 
         Uses ||G||_2 != 0 (a fused multi-tensor norm, several times faster than an inf-norm or
-        any() on CPU), first on a strided sample of each large G; inf/nan count as nonzero. A gradient whose every entry is below ~1e-19
-        (squares underflow in fp32) also reads as zero, which is harmless.
+        any() on CPU), first on a strided sample of each large G; inf/nan count as nonzero. A
+        gradient whose every entry is below ~1e-19 (squares underflow in fp32) also reads as
+        zero, which is harmless.
         """
         flags: list[bool] = [True] * len(grads)
         sharded = [g for g in grads if _is_dtensor(g)]

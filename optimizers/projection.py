@@ -22,10 +22,11 @@ Methods (`method` argument, the optimizers' ``basis`` group key):
   k = r + p columns (p = `oversample`), `power_iters` (q) rounds of subspace iteration
   (pivoted-LU normalisation between rounds, Householder QR for the returned orthonormal
   columns), the last round finished by Rayleigh-Ritz on the other side of G, which saves one of
-  Halko's products, usually through a QR's R factor alone (see `_randomized_left_vectors`); the top-r vectors come from the
-  eigenvectors of a small k x k Gram. With `prev` (the previous basis) the sketch starts from
-  it (warm start) and only the p extra columns are random. The Gaussian draws come from a
-  ``torch.Generator`` seeded by ``mix_seed(seed, refresh)``, so a basis is reproducible from
+  Halko's products, usually through a QR's R factor alone (see `_randomized_left_vectors`);
+  the top-r vectors come from the eigenvectors of a small k x k Gram. With `prev` (the
+  previous basis) the sketch starts from it (warm start) and only the p extra columns are
+  random. The Gaussian draws come from a ``torch.Generator`` seeded by
+  ``mix_seed(seed, refresh)``, so a basis is reproducible from
   (G, seed, refresh, prev). Defaults p = 8, q = 1: within 1% of the exact basis's captured
   energy on power-law spectra at a fraction of the SVD's cost (benchmarks/optimizer_step.py).
 * ``"random"``: APOLLO's projection (PAPER.md 2.5): i.i.d. N(0, 1/r) entries drawn from a
@@ -287,11 +288,11 @@ def _randomized_left_vectors(
     cold start costs 2q + 1 products with A, a warm start 2q plus one with p columns. Q_W is
     usually not formed: Householder's R factor (W = Q_W R) gives A Q_W = (A W) R^{-1}, a
     triangular solve on the rows x k product, which costs less than forming the cols x k Q_W
-    (5-10% of a refresh at the LLaMA shapes). The solve amplifies rounding by up to
-    cond(R) ~ max |R_ii| / min |R_ii|, so it is used only while that ratio stays below
-    1 / `_MIN_PIVOT`; a steeper spectrum or a rank-deficient W (a low-rank or zero gradient)
-    forms Q_W from the same reflectors. With q = 0 the sketch itself is the subspace: U = top-r left singular vectors of Q Q^T A,
-    Q = orth(Y) (one more product).
+    (5-10% of a refresh at the LLaMA shapes). The solve amplifies rounding by about cond(R),
+    of which max |R_ii| / min |R_ii| is a cheap lower estimate, so it is used only while that
+    ratio stays below 1 / `_MIN_PIVOT`; a steeper spectrum or a rank-deficient W (a low-rank or
+    zero gradient) forms Q_W from the same reflectors instead. With q = 0 the sketch itself is
+    the subspace: U = top-r left singular vectors of Q Q^T A, Q = orth(Y) (one more product).
     """
     rows, cols = a.shape
     k = min(r + max(int(oversample), 0), rows, cols)
