@@ -8,6 +8,7 @@ from one tensor or from shards added by an all-reduce.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -16,21 +17,19 @@ _CHUNK = 1 << 22
 """Entries per fp64 partial sum: bounds the transient fp64 copy to 32 MiB."""
 
 
-_DTENSOR: list[type] = []
-"""DTensor's class, looked up on first use (NoneType in a torch build without distributed)."""
+@functools.cache
+def _dtensor_class() -> type:
+    """DTensor's class (NoneType in a torch build without distributed support)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return type(None)
+    return DTensor
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
     """Whether `t` is a DTensor (an FSDP2-sharded parameter, gradient or state tensor)."""
-    if type(t) is torch.Tensor:  # the common case, without a lookup
-        return False
-    if not _DTENSOR:
-        try:
-            from torch.distributed.tensor import DTensor
-        except ImportError:  # a torch build without distributed support
-            DTensor = type(None)
-        _DTENSOR.append(DTensor)
-    return isinstance(t, _DTENSOR[0])
+    return type(t) is not torch.Tensor and isinstance(t, _dtensor_class())
 
 
 def shard_group(t: torch.Tensor) -> Any:

@@ -460,12 +460,9 @@ class ProjectedAdam(torch.optim.Optimizer):
         alpha: float = 1.0,
     ) -> None:
         """W <- W - eta_t alpha D, with decoupled weight decay before (torch) or after (reference)."""
-        decay = group["weight_decay"] != 0.0
-        if decay:
-            self._decay(p, group, before=True)
+        self._decay(p, group, before=True)
         p.add_(update, alpha=-step_size * alpha)
-        if decay:
-            self._decay(p, group, before=False)
+        self._decay(p, group, before=False)
 
     @staticmethod
     def _decay(p: torch.Tensor, group: dict[str, Any], before: bool) -> None:
@@ -559,9 +556,7 @@ class ProjectedAdam(torch.optim.Optimizer):
             if len(views) == 1:  # one norm: no list of results to stack
                 norms = [float(torch.linalg.vector_norm(views[0], dtype=torch.float32))]
             else:
-                # fp32 norms (a tiny fp16 norm would round to zero); fp32 gradients need no cast.
-                cast = {} if all(v.dtype == torch.float32 for v in views) else {"dtype": torch.float32}
-                norms = torch.stack(torch._foreach_norm(views, ord=2, **cast)).tolist()
+                norms = torch.stack(torch._foreach_norm(views, ord=2, dtype=torch.float32)).tolist()
             unsure = []
             for i, view, norm in zip(idx, views, norms):
                 flags[i] = norm != 0.0  # nan (an inf/nan entry) counts as nonzero

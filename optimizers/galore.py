@@ -50,16 +50,13 @@ class GaLoreAdamW(ProjectedAdam):
         basis = self._current_basis(p, grad, state, group)
         if basis is None:
             return
-        # R is needed only inside Adam: its buffer receives N (no further temporaries).
+        # R is needed only inside Adam: the op-by-op path may write N into its buffer.
         norm, step_size = self._adam(proj.project(grad, basis, side), state, group, reuse_x=True)
         # W <- W - eta_t alpha back(N) as one fused addmm_: no m x n temporary for back(N).
-        decay = group["weight_decay"] != 0.0
-        if decay:
-            self._decay(p, group, before=True)
+        self._decay(p, group, before=True)
         left, right = (norm, basis) if side == "right" else (basis, norm)
         p.addmm_(left, right, alpha=-step_size * float(group[self.SCALE_KEY]))
-        if decay:
-            self._decay(p, group, before=False)
+        self._decay(p, group, before=False)
 
     def _projected_update(
         self,
