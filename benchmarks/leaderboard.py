@@ -563,7 +563,7 @@ def collect_run(run_dir: Path) -> dict[str, Any] | None:
         f = cfg.factor
         row["seq_len"] = cfg.data.seq_len
         row["factor_rank"] = f.rank if f.kind != "none" else None
-        row["optim_rank"] = cfg.optim.rank if cfg.optim.name in _projected() else None
+        row["optim_rank"] = cfg.optim.rank if _projects(cfg.optim.name) else None
         per_step = summary["tokens"] // max(1, summary["steps"])
         row["flops_per_token"] = flops_per_token(
             cfg.model.preset,
@@ -578,10 +578,10 @@ def collect_run(run_dir: Path) -> dict[str, Any] | None:
     return row
 
 
-def _projected() -> frozenset[str]:
+def _projects(name: str) -> bool:
     import optimizers
 
-    return optimizers.PROJECTED
+    return name in optimizers.METHODS and optimizers.METHODS[name].projects
 
 
 def _mtime_iso(path: Path) -> str:

@@ -115,8 +115,8 @@ def _default_out(cfg, resume: str | None) -> Path:
 
 def cmd_estimate(args) -> int:
     from effpretrain.config import OptimConfig
-    from effpretrain.memory import FACTOR_KINDS, estimate, format_table
-    from effpretrain.models import PRESETS
+    from effpretrain.memory import estimate, format_table
+    from effpretrain.models import FACTOR_KINDS, PRESETS
 
     if args.model not in PRESETS:
         raise ConfigError(f"--model {args.model!r} is not one of {', '.join(PRESETS)}")
@@ -126,9 +126,9 @@ def cmd_estimate(args) -> int:
         factor, method = method, "adamw"
     import optimizers
 
-    if method not in optimizers.OPTIMIZERS:
+    if method not in optimizers.METHODS:
         raise ConfigError(
-            f"--method {args.method!r} is not one of {', '.join(sorted(optimizers.OPTIMIZERS) + list(FACTOR_KINDS))}"
+            f"--method {args.method!r} is not one of {', '.join(sorted(optimizers.METHODS) + list(FACTOR_KINDS))}"
         )
     rank = args.rank or 128
     if args.rank is not None and args.rank <= 0:

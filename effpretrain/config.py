@@ -145,7 +145,6 @@ class RunConfig:
 # ----------------------------------------------------------------------------------------------
 # Validation of values: (key, predicate, message). Checked after every load and override.
 _CHOICES = {
-    "factor.kind": ("none", "lowrank", "lora", "relora", "sltrain"),
     "optim.proj_type": ("std", "reverse_std", "right", "left", "full"),
     "optim.basis": ("default", "svd", "randomized_svd", "random"),
     "data.source": ("builtin", "files", "hub"),
@@ -221,11 +220,17 @@ def validate(cfg: RunConfig, source: str = "config") -> RunConfig:
         raise ConfigError(f"{source}: data.path not found: {cfg.data.path}")
     if cfg.data.source == "hub" and not cfg.data.name:
         raise ConfigError(f"{source}: data.name is required when data.source=hub")
-    from optimizers import OPTIMIZERS
+    from optimizers import METHODS
 
-    if cfg.optim.name not in OPTIMIZERS:
+    if cfg.optim.name not in METHODS:
         raise ConfigError(
-            f"{source}: optim.name={cfg.optim.name!r} is not one of {', '.join(sorted(OPTIMIZERS))}"
+            f"{source}: optim.name={cfg.optim.name!r} is not one of {', '.join(sorted(METHODS))}"
+        )
+    from effpretrain.models import FACTOR_KINDS
+
+    if cfg.factor.kind != "none" and cfg.factor.kind not in FACTOR_KINDS:
+        raise ConfigError(
+            f"{source}: factor.kind={cfg.factor.kind!r} is not one of none, {', '.join(FACTOR_KINDS)}"
         )
     from effpretrain.models import PRESETS
 

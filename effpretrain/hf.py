@@ -46,7 +46,7 @@ from effpretrain.config import (
     TrainConfig,
     validate,
 )
-from effpretrain.models.factorized import FACTORIZED_KINDS, apply_factorization, factorized_layers
+from effpretrain.models.factorized import FACTOR_KINDS, apply_factorization, factorized_layers
 from effpretrain.models.llama import PRESETS
 from optimizers.momentum_reset import unwrap_optimizer
 from optimizers.restarts import Restarts, recovery_factor
@@ -70,7 +70,7 @@ _CONFIGS: weakref.WeakKeyDictionary[torch.optim.Optimizer, RunConfig] = weakref.
 
 
 def _factor_kind(layer: torch.nn.Module) -> str:
-    names = {cls: name for name, cls in FACTORIZED_KINDS.items()}
+    names = {spec.layer: name for name, spec in FACTOR_KINDS.items()}
     # The most derived registered class wins: a ReLoRALinear is also a LoRALinear.
     for cls in type(layer).__mro__:
         if cls in names:
@@ -208,7 +208,7 @@ def create_optimizer(
 
     Args:
         model: the model to train (its trainable parameters are grouped).
-        method: optimizer name from the registry `optimizers.OPTIMIZERS` (adamw, galore, fira,
+        method: optimizer name from the registry `optimizers.METHODS` (adamw, galore, fira,
             apollo, apollo_mini, stable_spam, spam, galore_8bit, adamw_8bit).
         num_training_steps: optimizer updates in the run (the schedule's length).
         lr: peak learning rate (eta).
@@ -299,8 +299,8 @@ def _method_of(optimizer: Any) -> str | None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         return None
     cls = type(unwrap_optimizer(optimizer))
-    for name, spec in optimizers.OPTIMIZERS.items():
-        module, cls_name = spec.split(":")
+    for name, spec in optimizers.METHODS.items():
+        module, cls_name = spec.target.split(":")
         if cls.__name__ == cls_name and cls.__module__.startswith(module):
             return name
     return None
@@ -586,10 +586,9 @@ class EffPretrainCallback(TrainerCallback, ExportableState):
                     recovery_steps=self.recovery_steps,
                 ),
             )
-            r = cfg.restarts
             self._restarts = trainer_mod.wrap_restarts(unwrap_optimizer(optimizer), model, cfg)
             # The same condition under which the trainer's lr_factor applies the ramp.
-            self._ramp = r.recovery_steps > 0 and (r.reset_momentum or cfg.factor.kind == "relora")
+            self._ramp = trainer_mod.restart_ramps(cfg)
         if self.track_memory:
             self.estimate = estimate_memory(
                 model,

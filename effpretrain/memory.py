@@ -17,7 +17,7 @@ bf16, the paper's setting); ``bf16-mixed`` (fp32 weights/grads/states, bf16 acti
 Under FSDP2 weights, grads and full-rank states are sharded over ranks, while a projected matrix's
 low-rank moments and basis are computed from the gathered gradient and held whole on every rank
 (optimizers/base.py), and the 8-bit methods (adamw_8bit, galore_8bit) step gathered tensors and
-hold all their state whole on every rank (optimizers.FSDP2_WHOLE_STATE); under DDP every rank
+hold all their state whole on every rank (`MethodSpec.fsdp2_whole_state`); under DDP every rank
 holds all. Per-rank figures are rank 0's, the largest share: torch.chunk gives it ceil(rows / N)
 rows of every tensor.
 
@@ -45,7 +45,6 @@ DTYPES = {
     "bf16-mixed": torch.float32,
     "bf16-pure": torch.bfloat16,
 }
-FACTOR_KINDS = ("lowrank", "lora", "relora", "sltrain")
 
 
 @dataclass
@@ -115,23 +114,17 @@ class Estimate:
 
 
 def projection_group(optim_cfg: Any) -> dict[str, Any]:
-    """The group options a projected param gets from an OptimConfig (also used by the trainer)."""
-    g = {
-        "rank": optim_cfg.rank,
-        "update_proj_gap": optim_cfg.update_proj_gap,
-        "scale": optim_cfg.scale,
-        "proj_type": optim_cfg.proj_type,
-    }
-    if optim_cfg.name == "fira":
-        g["alpha"] = optim_cfg.scale
-    if optim_cfg.name == "apollo":
-        g.update(proj="random", scale_type="channel")
-    if optim_cfg.name == "apollo_mini":
-        g.update(rank=1, proj="random", scale_type="tensor")
-    if optim_cfg.basis != "default":
-        g["basis"] = optim_cfg.basis
-    g.update({k: v for k, v in optim_cfg.extra.items() if k in ("oversample", "power_iters", "seed")})
-    return g
+    """The group options a projected param gets from an OptimConfig (also used by the trainer):
+    the registry row's `projection_group` (aliases and fixed keys of the method)."""
+    o = optim_cfg
+    return optimizers.method_spec(o.name).projection_group(
+        rank=o.rank,
+        update_proj_gap=o.update_proj_gap,
+        scale=o.scale,
+        proj_type=o.proj_type,
+        basis=o.basis,
+        extra=o.extra,
+    )
 
 
 def estimate(
@@ -160,7 +153,8 @@ def estimate(
     pdtype = DTYPES[dtype]
     itemsize = torch.empty((), dtype=pdtype).element_size()
     act_itemsize = 4 if dtype == "fp32" else 2
-    projected = method in optimizers.PROJECTED
+    mspec = optimizers.method_spec(method)
+    projected = mspec.projects
     proj_group = projection_group(optim_cfg) if projected else {}
 
     # Under FSDP2 each parameter is split on dim 0 into N chunks with torch.chunk's sizes, so
@@ -168,7 +162,7 @@ def estimate(
     # rank 0's. Element-wise optimizer state is split like its parameter (scalar terms, such as
     # torch AdamW's step tensor, stay whole); see `replicated_state` for what is not split.
     shard = world_size if sharding == "fsdp2" else 1
-    whole_state = shard > 1 and method in optimizers.FSDP2_WHOLE_STATE
+    whole_state = shard > 1 and mspec.fsdp2_whole_state
 
     def mine(shape: tuple[int, ...]) -> tuple[int, ...]:
         return (-(-shape[0] // shard), *shape[1:]) if shard > 1 else tuple(shape)
@@ -176,17 +170,17 @@ def estimate(
     def dense_state(shape: tuple[int, ...]) -> tuple[int, int]:
         """(sharded, replicated) state bytes of one non-projected parameter on rank 0."""
         if whole_state:
-            return 0, optimizers.state_bytes(method, shape, {}, pdtype)
-        return optimizers.state_bytes(method, mine(shape), {}, pdtype), 0
+            return 0, mspec.state_bytes(shape, {}, pdtype)
+        return mspec.state_bytes(mine(shape), {}, pdtype), 0
 
     weights = grads = state = params = trainable = index_bytes = 0
     replicated_state = 0  # projected params' low-rank state and basis: whole on every FSDP2 rank
     for spec in llama_param_specs(preset, vocab_size):
         if factor_kind != "none" and spec.kind == "target" and _is_target(spec.name, factor_targets):
-            from effpretrain.models.factorized import factorized_param_counts
+            from effpretrain.models.factorized import factor_spec
 
             m, n = spec.shape
-            counts = factorized_param_counts(m, n, factor_kind, factor_rank, density)
+            counts = factor_spec(factor_kind).param_counts(m, n, factor_rank, density)
             for shape in _factor_param_shapes(m, n, factor_rank, counts):
                 numel = math.prod(mine(shape))
                 sharded, whole = dense_state(shape)
@@ -207,7 +201,7 @@ def estimate(
         trainable += math.prod(spec.shape)
         is_proj = projected and spec.kind == "target" and _is_target(spec.name, targets)
         if is_proj:
-            replicated_state += optimizers.state_bytes(method, spec.shape, proj_group, pdtype)
+            replicated_state += mspec.state_bytes(spec.shape, proj_group, pdtype)
         else:
             sharded, whole = dense_state(spec.shape)
             state, replicated_state = state + sharded, replicated_state + whole

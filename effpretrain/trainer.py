@@ -48,9 +48,19 @@ EXACTNESS_KEYS = {
 # Schedule
 
 
+def restart_ramps(cfg: RunConfig) -> bool:
+    """Whether restarts re-warm the LR: after a momentum reset, or after ReLoRA's merge (whose
+    factors' state is reset) - the jagged schedule."""
+    from effpretrain.models import factor_spec
+
+    r = cfg.restarts
+    merges = cfg.factor.kind != "none" and factor_spec(cfg.factor.kind).merges_at_restart
+    return r.every > 0 and r.recovery_steps > 0 and (r.reset_momentum or merges)
+
+
 def lr_factor(step: int, cfg: RunConfig) -> float:
     """LR multiplier for optimizer step `step` (0-based): linear warmup, then cosine/linear/constant
-    to `min_lr_ratio`; times the restart recovery ramp when momentum is reset at restarts."""
+    to `min_lr_ratio`; times the restart recovery ramp when restarts re-warm (`restart_ramps`)."""
     t = cfg.train
     warm = int(t.warmup_ratio * t.max_steps)
     if step < warm:
@@ -63,11 +73,10 @@ def lr_factor(step: int, cfg: RunConfig) -> float:
             f = 1 - (1 - t.min_lr_ratio) * progress
         else:
             f = 1.0
-    r = cfg.restarts
-    if r.every > 0 and r.recovery_steps > 0 and (r.reset_momentum or cfg.factor.kind == "relora"):
+    if restart_ramps(cfg):
         from optimizers.restarts import recovery_factor
 
-        f *= recovery_factor(step, r.every, r.recovery_steps)
+        f *= recovery_factor(step, cfg.restarts.every, cfg.restarts.recovery_steps)
     return f
 
 
@@ -80,7 +89,8 @@ def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str,
     projection methods; every other matrix gets AdamW with weight decay; vectors (norms,
     biases) get no weight decay. Frozen parameters are left out."""
     o = cfg.optim
-    projected_method = o.name in optimizers.PROJECTED
+    spec = optimizers.method_spec(o.name)
+    projected_method = spec.projects
     targets = set(o.targets)
     proj, decay, no_decay = [], [], []
     for mod_name, module in model.named_modules():
@@ -105,7 +115,7 @@ def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str,
             f"(method {o.name}, factor.kind={cfg.factor.kind})"
         )
     for p in proj:
-        if o.rank > min(p.shape) and o.name != "apollo_mini":
+        if spec.fixed_rank is None and o.rank > min(p.shape):
             raise ConfigError(
                 f"optim.rank={o.rank} exceeds min(m, n)={min(p.shape)} of a projected {tuple(p.shape)} weight"
             )
@@ -120,17 +130,17 @@ def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str,
 
 
 def optimizer_kwargs(cfg: RunConfig) -> dict[str, Any]:
+    """Constructor keywords: the common Adam settings, `optim.extra` (without the basis options,
+    which go to projected groups) and the run length for methods that need it (the registry)."""
     o = cfg.optim
     kw: dict[str, Any] = {
         "lr": o.lr,
         "betas": (o.beta1, o.beta2),
         "eps": o.eps,
         "weight_decay": o.weight_decay,
+        **o.extra,
     }
-    kw.update({k: v for k, v in o.extra.items() if k not in ("oversample", "power_iters", "seed")})
-    if o.name in ("stable_spam",) and "total_steps" not in kw:
-        kw["total_steps"] = cfg.train.max_steps
-    return kw
+    return optimizers.method_spec(o.name).constructor_kwargs(kw, total_steps=cfg.train.max_steps)
 
 
 def build_run_model(cfg: RunConfig, vocab_size: int) -> tuple[torch.nn.Module, dict[str, Any] | None]:
@@ -162,11 +172,12 @@ def wrap_restarts(
     opt: torch.optim.Optimizer, model: torch.nn.Module, cfg: RunConfig
 ) -> torch.optim.Optimizer:
     """The `restarts` section as an optimizer wrapper (shared by the trainer and the HF callback)."""
-    from effpretrain.models import factor_pairs, relora_merge_
+    from effpretrain.models import factor_pairs, factor_spec, relora_merge_
     from optimizers import Restarts
 
     r, kind = cfg.restarts, cfg.factor.kind
-    if kind == "relora":
+    spec = factor_spec(kind) if kind != "none" else None
+    if spec is not None and spec.merges_at_restart:
         # ReLoRA's restart: merge B A into W0, re-init, reset only B and A's state (jagged LR in lr_factor).
         return Restarts(
             opt,
@@ -176,7 +187,7 @@ def wrap_restarts(
             reset_momentum=False,
             hooks=[lambda: relora_merge_(model, opt)],
         )
-    pairs = factor_pairs(model) if (r.refactorize and kind in ("lowrank", "sltrain", "lora")) else []
+    pairs = factor_pairs(model) if (r.refactorize and spec is not None and spec.refactorizable) else []
     if r.refactorize and not pairs and kind != "none":
         raise ConfigError(f"restarts.refactorize needs a low-rank factorization (factor.kind={kind})")
     return Restarts(opt, pairs, r.every, refactorize=bool(pairs), reset_momentum=r.reset_momentum)

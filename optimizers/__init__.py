@@ -1,14 +1,24 @@
 """Optimizers for memory-efficient pretraining: pure PyTorch, usable in any training loop.
 
-`OPTIMIZERS` maps a method name to ``"module:Class"``; classes are imported on first use so
-that ``import optimizers`` stays cheap and an optional backend (bitsandbytes) is only needed
-by the methods that use it. `build_optimizer` is the one constructor the toolkit calls.
+`METHODS` is the method registry, the one place that holds every fact the toolkit needs about an
+optimizer name: its class (imported on first use, so ``import optimizers`` stays cheap and an
+optional backend such as bitsandbytes is only needed by the methods that use it), whether it
+projects some groups, how its state shards under FSDP2, the fixed keys its projected groups get,
+whether it needs the run length, and its exact state-bytes formula. The config's choices, the
+memory estimator, the trainer's param-group rules, the HF factory, the leaderboard and the tests
+all read it. Adding a method is one file with its class plus one `MethodSpec` row here.
+
+Every registered class is also importable by its own name, lazily: ``from optimizers import
+GaLoreAdamW`` (as with the reference packages).
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -17,63 +27,218 @@ from optimizers.momentum_reset import reset_
 from optimizers.refactorization import refactorize_
 from optimizers.restarts import Restarts, recovery_factor
 
-OPTIMIZERS: dict[str, str] = {
-    "adamw": "torch.optim:AdamW",
-    "galore": "optimizers.galore:GaLoreAdamW",
-    "fira": "optimizers.fira:FiraAdamW",
-    "apollo": "optimizers.apollo:APOLLOAdamW",
-    "apollo_mini": "optimizers.apollo:APOLLOMini",
-    "stable_spam": "optimizers.stable_spam:StableSPAM",
-    "spam": "optimizers.stable_spam:SPAM",
-    "galore_8bit": "optimizers.galore_8bit:GaLoreAdamW8bit",
-    "adamw_8bit": "optimizers.adamw_8bit:AdamW8bit",
+#: Keys of `optim.extra` that belong to projected groups (basis options), not to the constructor.
+PROJECTION_GROUP_EXTRAS: tuple[str, ...] = ("oversample", "power_iters", "seed")
+
+
+def _torch_adamw_state_bytes(shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+    """torch.optim.AdamW: exp_avg and exp_avg_sq in the parameter dtype, ``step`` an fp32 scalar
+    tensor: ``2 * numel * itemsize + 4``."""
+    return 2 * math.prod(shape) * dtype.itemsize + 4
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """Every per-method fact, for one optimizer name.
+
+    Attributes:
+        name: the registry name (recipes' ``optim.name``).
+        target: ``"module:Class"``, imported on first use (`cls`).
+        summary: one line for tables and ``--help``.
+        projects: projected groups (attention/MLP weights) carry ``rank`` and the basis keys; the
+            toolkit builds such a group only for these methods.
+        fsdp2_whole_state: under FSDP2 all of its state stays whole on every rank (its dense
+            moments are not element-wise: 8-bit blocks); otherwise full-size state shards with the
+            parameter and a projected matrix's low-rank state is whole on every rank.
+        group_keys: fixed keys every projected group gets (APOLLO's ``proj``/``scale_type``,
+            APOLLO-Mini's ``rank`` 1); a fixed ``rank`` also exempts the method from the
+            rank <= min(m, n) check.
+        aliases: group keys that take another key's value (Fira's ``alpha`` is the ``scale``).
+        needs_total_steps: the constructor takes ``total_steps`` (the run length) unless given.
+        defaults: constructor keywords the toolkit passes unless the caller gives them.
+        state_bytes_fn: the state formula for a class that has no ``state_bytes`` classmethod of
+            its own (torch's AdamW); our classes document and test theirs.
+    """
+
+    name: str
+    target: str
+    summary: str = ""
+    projects: bool = False
+    fsdp2_whole_state: bool = False
+    group_keys: Mapping[str, Any] = field(default_factory=dict)
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    needs_total_steps: bool = False
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    state_bytes_fn: Callable[[tuple[int, ...], dict[str, Any], torch.dtype], int] | None = None
+
+    @property
+    def class_name(self) -> str:
+        return self.target.split(":")[1]
+
+    @property
+    def cls(self) -> type[torch.optim.Optimizer]:
+        """The optimizer class (imports its module on first use)."""
+        module, name = self.target.split(":")
+        return getattr(importlib.import_module(module), name)
+
+    @property
+    def fixed_rank(self) -> int | None:
+        return self.group_keys.get("rank")
+
+    def projection_group(
+        self,
+        *,
+        rank: int,
+        update_proj_gap: int,
+        scale: float,
+        proj_type: str = "std",
+        basis: str = "default",
+        extra: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The options of a projected param group (without ``params``) from the common settings:
+        aliases and fixed keys applied, ``basis="default"`` left to the class, and the basis
+        options of `extra` (`PROJECTION_GROUP_EXTRAS`) carried over."""
+        if not self.projects:
+            raise ValueError(f"{self.name} does not project")
+        g: dict[str, Any] = {
+            "rank": rank,
+            "update_proj_gap": update_proj_gap,
+            "scale": scale,
+            "proj_type": proj_type,
+        }
+        for alias, key in self.aliases.items():
+            g[alias] = g[key]
+        g.update(self.group_keys)
+        if basis != "default":
+            g["basis"] = basis
+        g.update({k: v for k, v in (extra or {}).items() if k in PROJECTION_GROUP_EXTRAS})
+        return g
+
+    def constructor_kwargs(self, kwargs: Mapping[str, Any], total_steps: int | None = None) -> dict[str, Any]:
+        """`kwargs` plus this method's defaults and, where it needs one, the run length; the basis
+        options (group keys) are removed."""
+        kw = {**self.defaults, **{k: v for k, v in kwargs.items() if k not in PROJECTION_GROUP_EXTRAS}}
+        if self.needs_total_steps and "total_steps" not in kw and total_steps is not None:
+            kw["total_steps"] = total_steps
+        return kw
+
+    def state_bytes(self, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+        """Exact bytes of optimizer state one parameter of `shape`/`dtype` holds after >= 1 step."""
+        fn = self.state_bytes_fn or self.cls.state_bytes
+        return int(fn(tuple(shape), group, dtype))
+
+
+def _spec(**kw: Any) -> MethodSpec:
+    for key in ("group_keys", "aliases", "defaults"):
+        kw[key] = MappingProxyType(dict(kw.get(key, {})))
+    return MethodSpec(**kw)
+
+
+METHODS: dict[str, MethodSpec] = {
+    s.name: s
+    for s in (
+        _spec(
+            name="adamw",
+            target="torch.optim:AdamW",
+            summary="torch AdamW (foreach), no decay on norms",
+            # foreach: torch's fastest CPU/GPU path that is also deterministic.
+            defaults={"foreach": True},
+            state_bytes_fn=_torch_adamw_state_bytes,
+        ),
+        _spec(
+            name="adamw_8bit",
+            target="optimizers.adamw_8bit:AdamW8bit",
+            summary="bitsandbytes 8-bit AdamW (CPU and GPU)",
+            fsdp2_whole_state=True,
+        ),
+        _spec(
+            name="stable_spam",
+            target="optimizers.stable_spam:StableSPAM",
+            summary="Adam with adaptive spike clipping, norm scaling, momentum reset, beta1 annealing",
+            needs_total_steps=True,
+        ),
+        _spec(
+            name="spam",
+            target="optimizers.stable_spam:SPAM",
+            summary="Adam with spike clipping and periodic momentum reset",
+        ),
+        _spec(
+            name="galore",
+            target="optimizers.galore:GaLoreAdamW",
+            summary="projected Adam on attention/MLP weights (SVD-family basis)",
+            projects=True,
+        ),
+        _spec(
+            name="galore_8bit",
+            target="optimizers.galore_8bit:GaLoreAdamW8bit",
+            summary="GaLore with 8-bit block-quantised moments",
+            projects=True,
+            fsdp2_whole_state=True,
+        ),
+        _spec(
+            name="fira",
+            target="optimizers.fira:FiraAdamW",
+            summary="GaLore + scaled full-rank residual with the norm-growth limiter",
+            projects=True,
+            aliases={"alpha": "scale"},
+        ),
+        _spec(
+            name="apollo",
+            target="optimizers.apollo:APOLLOAdamW",
+            summary="seeded random projection (never stored), channel-wise scaling",
+            projects=True,
+            group_keys={"proj": "random", "scale_type": "channel"},
+        ),
+        _spec(
+            name="apollo_mini",
+            target="optimizers.apollo:APOLLOMini",
+            summary="APOLLO at rank 1 with tensor-wise scaling",
+            projects=True,
+            group_keys={"rank": 1, "proj": "random", "scale_type": "tensor"},
+        ),
+    )
 }
 
-# Methods that project some groups: their groups carry `rank` and friends.
-PROJECTED = frozenset({"galore", "fira", "apollo", "apollo_mini", "galore_8bit"})
 
-# Under FSDP2 these keep ALL their state whole on every rank (block-wise 8-bit moments are stepped
-# on the gathered tensor; see AdamW8bit.step and ProjectedAdam.SHARDED_DENSE). Every other method
-# shards its full-size state with the parameter; projected methods keep their low-rank state whole.
-FSDP2_WHOLE_STATE = frozenset({"adamw_8bit", "galore_8bit"})
+def register(spec: MethodSpec) -> MethodSpec:
+    """Adds `spec` to `METHODS` (a new method, or a test's toy one); an existing name is an error."""
+    if spec.name in METHODS:
+        raise ValueError(f"optimizer {spec.name!r} is already registered")
+    METHODS[spec.name] = spec
+    return spec
+
+
+def unregister(name: str) -> None:
+    """Removes `name` from `METHODS` (for tests that register a toy method)."""
+    del METHODS[name]
+
+
+def method_spec(name: str) -> MethodSpec:
+    """The registry row for `name`; ValueError naming the choices otherwise."""
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(sorted(METHODS))}") from None
 
 
 def get_optimizer_class(name: str) -> type[torch.optim.Optimizer]:
     """Returns the class registered under `name`; ValueError naming the choices otherwise."""
-    if name not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(sorted(OPTIMIZERS))}")
-    module, cls = OPTIMIZERS[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    return method_spec(name).cls
 
 
 def build_optimizer(
     name: str, param_groups: Iterable[dict[str, Any]], **kwargs: Any
 ) -> torch.optim.Optimizer:
-    """Constructs optimizer `name` over `param_groups` (torch format) with defaults `kwargs`.
-
-    For torch's AdamW the multi-tensor (foreach) path is used, which is its fastest CPU/GPU
-    path that is also deterministic.
-    """
-    cls = get_optimizer_class(name)
-    if name == "adamw":
-        kwargs.setdefault("foreach", True)
-    return cls(list(param_groups), **kwargs)
+    """Constructs optimizer `name` over `param_groups` (torch format) with defaults `kwargs`
+    (plus the method's own defaults from the registry, e.g. torch AdamW's foreach path)."""
+    spec = method_spec(name)
+    return spec.cls(list(param_groups), **{**spec.defaults, **kwargs})
 
 
 def state_bytes(name: str, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
-    """Exact bytes of optimizer state one parameter of `shape`/`dtype` holds under method `name`.
-
-    torch's AdamW keeps exp_avg and exp_avg_sq in the parameter dtype and `step` as a float32
-    scalar tensor: 2 * numel * itemsize + 4. Our own classes carry a `state_bytes` classmethod
-    with their formula (see each docstring).
-    """
-    numel = 1
-    for d in shape:
-        numel *= d
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if name == "adamw":
-        return 2 * numel * itemsize + 4
-    return int(get_optimizer_class(name).state_bytes(tuple(shape), group, dtype))
+    """Exact bytes of optimizer state one parameter of `shape`/`dtype` holds under method `name`
+    (the registry's formula: each class's documented and tested ``state_bytes``)."""
+    return method_spec(name).state_bytes(shape, group, dtype)
 
 
 def measured_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -81,31 +246,39 @@ def measured_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
     A sharded (FSDP2 DTensor) state tensor counts its local shard only: the bytes this rank holds.
     """
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch build without distributed support
-        DTensor = ()  # noqa: N806
+    from optimizers._sharded import local
+
     inner = getattr(optimizer, "optimizer", optimizer)
     total = 0
     for st in inner.state.values():
         for v in st.values():
             if torch.is_tensor(v):
-                if isinstance(v, DTensor):
-                    v = v.to_local()
+                v = local(v)
                 total += v.numel() * v.element_size()
     return total
 
 
+def __getattr__(name: str) -> Any:
+    # `from optimizers import GaLoreAdamW`: every registered class by its own name, imported lazily.
+    for spec in METHODS.values():
+        if spec.class_name == name and not spec.target.startswith("torch."):
+            return spec.cls
+    raise AttributeError(f"module 'optimizers' has no attribute {name!r}")
+
+
 __all__ = [
-    "OPTIMIZERS",
-    "FSDP2_WHOLE_STATE",
-    "PROJECTED",
+    "METHODS",
+    "PROJECTION_GROUP_EXTRAS",
+    "MethodSpec",
     "Restarts",
-    "recovery_factor",
-    "refactorize_",
-    "reset_",
     "build_optimizer",
     "get_optimizer_class",
     "measured_state_bytes",
+    "method_spec",
+    "recovery_factor",
+    "refactorize_",
+    "register",
+    "reset_",
     "state_bytes",
+    "unregister",
 ]

@@ -1,13 +1,15 @@
 """Models: LLaMA presets and factorized layers applied by model surgery."""
 
 from effpretrain.models.factorized import (
-    FACTORIZED_KINDS,
+    FACTOR_KINDS,
+    FactorSpec,
     LoRALinear,
     LowRankLinear,
     ReLoRALinear,
     SLTrainLinear,
     apply_factorization,
     factor_pairs,
+    factor_spec,
     factorized_layers,
     factorized_param_counts,
     merge_factorized_,
@@ -22,7 +24,8 @@ from effpretrain.models.llama import (
 )
 
 __all__ = [
-    "FACTORIZED_KINDS",
+    "FACTOR_KINDS",
+    "FactorSpec",
     "PRESETS",
     "LoRALinear",
     "LowRankLinear",
@@ -33,6 +36,7 @@ __all__ = [
     "build_llama_config",
     "build_model",
     "factor_pairs",
+    "factor_spec",
     "factorized_layers",
     "factorized_param_counts",
     "merge_factorized_",

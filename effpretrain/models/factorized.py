@@ -31,6 +31,7 @@ import logging
 import math
 import zlib
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
@@ -41,7 +42,8 @@ from torch import Tensor, nn
 from optimizers.momentum_reset import prune_, reset_
 
 __all__ = [
-    "FACTORIZED_KINDS",
+    "FACTOR_KINDS",
+    "FactorSpec",
     "FactorizedLinear",
     "LoRALinear",
     "LowRankLinear",
@@ -50,6 +52,7 @@ __all__ = [
     "TARGETS",
     "apply_factorization",
     "factor_pairs",
+    "factor_spec",
     "factorized_param_counts",
     "merge_factorized_",
     "relora_merge_",
@@ -292,43 +295,96 @@ class SLTrainLinear(FactorizedLinear):
         return f"{super().extra_repr()}, density={self.density:g}, nnz={nnz}, seed={self.seed}"
 
 
-FACTORIZED_KINDS: dict[str, type[FactorizedLinear]] = {
-    "lowrank": LowRankLinear,
-    "lora": LoRALinear,
-    "relora": ReLoRALinear,
-    "sltrain": SLTrainLinear,
+@dataclass(frozen=True)
+class FactorSpec:
+    """Every per-kind fact about a factorization (`factor.kind`), read by config, estimator,
+    trainer, leaderboard and tests.
+
+    Attributes:
+        name: the registry name (``factor.kind``).
+        layer: the FactorizedLinear subclass that replaces a target Linear.
+        summary: one line for tables.
+        frozen_dense: keeps the replaced m x n weight as a frozen W0 (LoRA, ReLoRA).
+        sparse: adds a fixed random support of nnz = floor(density m n) trainable values and an
+            int64 index buffer (SLTrain).
+        refactorizable: restarts may rebalance its (B, A) pair (weight refactorization).
+        merges_at_restart: restarts merge B A into W0 and re-initialise the factors, resetting only
+            their state, with the jagged LR (ReLoRA); this replaces refactorization and reset.
+        materializes_dense: the forward forms the dense m x n weight (SLTrain as implemented).
+    """
+
+    name: str
+    layer: type[FactorizedLinear]
+    summary: str = ""
+    frozen_dense: bool = False
+    sparse: bool = False
+    refactorizable: bool = True
+    merges_at_restart: bool = False
+    materializes_dense: bool = False
+
+    def param_counts(
+        self, m: int, n: int, rank: int, density: float = 0.03, bias: bool = False
+    ) -> dict[str, int]:
+        """Elements one factorized m x n (out x in) layer holds, without building it.
+
+        trainable = r (m + n) [+ nnz if sparse] [+ m with a bias]; frozen = m n if frozen_dense,
+        else 0; index_elements = nnz = floor(density m n) if sparse (int64), else 0.
+        """
+        nnz = sparse_nnz(m, n, density) if self.sparse else 0
+        trainable = rank * (m + n) + (m if bias else 0) + nnz
+        return {"trainable": trainable, "frozen": m * n if self.frozen_dense else 0, "index_elements": nnz}
+
+    def flops_per_token(self, m: int, n: int, rank: int, tokens_per_step: int | None = None) -> float:
+        """Training FLOPs (forward + backward) per token of one factorized m x n layer.
+
+        Low-rank y = B (A x): 6 r (m + n); a frozen W0 adds 4 m n (no weight gradient); a layer
+        that materialises its dense weight costs 6 m n per token plus, once per step, the product
+        B A (2 m n r) and its backward (4 m n r), spread over `tokens_per_step` (ignored when None).
+        """
+        if self.materializes_dense:
+            return 6.0 * m * n + (6.0 * m * n * rank / tokens_per_step if tokens_per_step else 0.0)
+        return 6.0 * rank * (m + n) + (4.0 * m * n if self.frozen_dense else 0.0)
+
+
+FACTOR_KINDS: dict[str, FactorSpec] = {
+    s.name: s
+    for s in (
+        FactorSpec("lowrank", LowRankLinear, "W = (alpha/r) B A, no dense weight"),
+        FactorSpec("lora", LoRALinear, "frozen random W0 + (alpha/r) B A", frozen_dense=True),
+        FactorSpec(
+            "relora",
+            ReLoRALinear,
+            "LoRA merged into W0 and restarted every restarts.every steps",
+            frozen_dense=True,
+            refactorizable=False,
+            merges_at_restart=True,
+        ),
+        FactorSpec(
+            "sltrain",
+            SLTrainLinear,
+            "low-rank + fixed random sparse support",
+            sparse=True,
+            materializes_dense=True,
+        ),
+    )
 }
 
 
-def _check_kind(kind: str) -> None:
-    if kind not in FACTORIZED_KINDS:
-        raise ValueError(f"unknown factorization kind {kind!r}; choose one of {', '.join(FACTORIZED_KINDS)}")
+def factor_spec(kind: str) -> FactorSpec:
+    """The registry row for `kind`; ValueError naming the choices otherwise."""
+    try:
+        return FACTOR_KINDS[kind]
+    except KeyError:
+        raise ValueError(
+            f"unknown factorization kind {kind!r}; choose one of {', '.join(FACTOR_KINDS)}"
+        ) from None
 
 
 def factorized_param_counts(
     m: int, n: int, kind: str, rank: int, density: float = 0.03, bias: bool = False
 ) -> dict[str, int]:
-    """Elements one factorized m x n (out x in) layer holds, without building it.
-
-    trainable = r (m + n) [+ nnz for sltrain] [+ m with a bias]; frozen = m n for lora/relora (W0),
-    else 0; index_elements = nnz = floor(density m n) for sltrain (int64), else 0.
-
-    Args:
-        m: out_features.
-        n: in_features.
-        kind: one of "lowrank", "lora", "relora", "sltrain".
-        rank: r.
-        density: SLTrain's delta (ignored otherwise).
-        bias: whether the replaced Linear had a bias (kept, trainable).
-
-    Returns:
-        dict(trainable=..., frozen=..., index_elements=...).
-    """
-    _check_kind(kind)
-    trainable = rank * (m + n) + (m if bias else 0)
-    frozen = m * n if kind in ("lora", "relora") else 0
-    index = sparse_nnz(m, n, density) if kind == "sltrain" else 0
-    return {"trainable": trainable + index, "frozen": frozen, "index_elements": index}
+    """Elements one factorized m x n layer of `kind` holds (see `FactorSpec.param_counts`)."""
+    return factor_spec(kind).param_counts(m, n, rank, density, bias)
 
 
 def _param_counts(model: nn.Module) -> tuple[int, int]:
@@ -378,10 +434,10 @@ def apply_factorization(
         ValueError: unknown kind; rank < 1; rank > min(m, n) of a target (naming it); no module
             matched `kind`/`targets`.
     """
-    _check_kind(kind)
+    spec = factor_spec(kind)
     if rank < 1:
         raise ValueError(f"rank must be >= 1, got {rank}")
-    if kind == "sltrain":
+    if spec.sparse:
         sparse_nnz(1, 1, density)  # validates density before any surgery
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
     found = [
@@ -401,20 +457,15 @@ def apply_factorization(
             )
 
     params_before, trainable_before = _param_counts(model)
-    cls = FACTORIZED_KINDS[kind]
+    cls = spec.layer
     for name, lin in found:
         w = lin.weight
-        common = {"bias": lin.bias, "device": w.device, "dtype": w.dtype}
-        if kind == "sltrain":
-            layer_seed = zlib.crc32(f"{seed}/{name}".encode())
-            new = cls(
-                lin.in_features, lin.out_features, rank, alpha, density=density, seed=layer_seed, **common
-            )
-        elif kind in ("lora", "relora"):
-            new = cls(lin.in_features, lin.out_features, rank, alpha, weight=w, **common)
-        else:
-            new = cls(lin.in_features, lin.out_features, rank, alpha, **common)
-        _replace(model, name, new)
+        kw: dict[str, Any] = {"bias": lin.bias, "device": w.device, "dtype": w.dtype}
+        if spec.sparse:
+            kw.update(density=density, seed=zlib.crc32(f"{seed}/{name}".encode()))
+        if spec.frozen_dense:
+            kw["weight"] = w
+        _replace(model, name, cls(lin.in_features, lin.out_features, rank, alpha, **kw))
 
     params_after, trainable_after = _param_counts(model)
     index_elements = sum(m.sparse_index.numel() for m in model.modules() if isinstance(m, SLTrainLinear))
@@ -428,7 +479,7 @@ def apply_factorization(
         kind,
         rank,
         alpha,
-        f", density={density:g}" if kind == "sltrain" else "",
+        f", density={density:g}" if spec.sparse else "",
         len(found),
         ", ".join(f"{k} x{v}" for k, v in per_target.items()),
         params_before,
@@ -449,7 +500,7 @@ def apply_factorization(
         "frozen_params": params_after - trainable_after,
         "index_elements": index_elements,
     }
-    if kind == "sltrain":
+    if spec.sparse:
         report["density"] = float(density)
     return report
 
