@@ -1,131 +1,300 @@
 """The run configuration: dataclasses are the one schema, YAML recipes only fill them.
 
-Loading is strict: an unknown key, a value of the wrong type or out of range raises
-`ConfigError` naming the key and the file it came from. Overrides use dotted keys,
-``--set optim.lr=3e-4``, with values parsed as YAML scalars.
+Each field is one YAML key (``section.key``); the docstring right under it says what the key
+means, and its type says which values it takes: ``Literal[...]`` for a fixed set of choices,
+``Annotated[..., Check]`` for a range, ``Annotated[str, OneOf]`` for a name in a registry
+(`optimizers.METHODS`, `effpretrain.models.FACTOR_KINDS`, `effpretrain.models.PRESETS`), read when
+validating, so a method registered at run time is a valid choice. README's config table is
+generated from the same source (`config_table`).
+
+Loading is strict: an unknown key, a value of the wrong type or out of range, a recipe that is
+not a readable UTF-8 YAML mapping raise `ConfigError` naming the key and the file it came from.
+Overrides use dotted keys, ``--set optim.lr=3e-4``, with values parsed as YAML.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
 import hashlib
+import inspect
 import json
+import math
 import types
 import typing
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Annotated, Any, Literal, Union
 
 import yaml
 
+from effpretrain.errors import ConfigError
 
-class ConfigError(ValueError):
-    """Bad input: the CLI reports it in one line and exits with code 2."""
-
+__all__ = [
+    "ATTN_MLP_TARGETS",
+    "PRECISIONS",
+    "ConfigError",
+    "DataConfig",
+    "DistConfig",
+    "FactorConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "RestartsConfig",
+    "RunConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "config_hash",
+    "config_table",
+    "dump_yaml",
+    "field_docs",
+    "from_dict",
+    "load_config",
+    "to_dict",
+    "validate",
+]
 
 ATTN_MLP_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Constraints declared on field types, read generically by `validate` and `config_table`.
+
+
+@dataclass(frozen=True)
+class Check:
+    """A range a numeric field must lie in: ``test(value)`` holds, else "must be {text}"."""
+
+    text: str
+    test: Callable[[Any], bool]
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """A name from a registry, read at validation time (registries may grow at run time).
+
+    Attributes:
+        names: returns the valid names now.
+        where: the registry, as the config table states it.
+        listed: the table also lists today's names (for presets; not for methods, whose list
+            grows with every registered method and lives in the README's Methods table).
+    """
+
+    names: Callable[[], Sequence[str]]
+    where: str
+    listed: bool = False
+
+
+#: Marks an int field that also takes YAML ``true``/``false`` as 1/0 (a switch with a count).
+BOOL_AS_INT = "bool-as-int"
+
+POSITIVE = Check("> 0", lambda v: v > 0)
+NON_NEGATIVE = Check(">= 0", lambda v: v >= 0)
+FRACTION = Check("in [0, 1]", lambda v: 0 <= v <= 1)
+BETA = Check("in [0, 1)", lambda v: 0 <= v < 1)
+# numpy's seed range: accelerate's set_seed seeds numpy too.
+SEED = Check("in [0, 2**32)", lambda v: 0 <= v < 2**32)
+
+PositiveInt = Annotated[int, POSITIVE]
+PositiveFloat = Annotated[float, POSITIVE]
+NonNegativeInt = Annotated[int, NON_NEGATIVE]
+NonNegativeFloat = Annotated[float, NON_NEGATIVE]
+Fraction = Annotated[float, FRACTION]
+Beta = Annotated[float, BETA]
+Seed = Annotated[int, SEED]
+Precision = Literal["fp32", "bf16-mixed", "bf16-pure"]
+#: The canonical precision names, shared by `train.precision` and the memory estimator.
+PRECISIONS: tuple[str, ...] = typing.get_args(Precision)
+
+
+def _method_names() -> list[str]:
+    from optimizers import METHODS
+
+    return sorted(METHODS)
+
+
+def _factor_kinds() -> list[str]:
+    from effpretrain.models import FACTOR_KINDS
+
+    return ["none", *FACTOR_KINDS]
+
+
+def _presets() -> list[str]:
+    from effpretrain.models import PRESETS
+
+    return list(PRESETS)
+
+
+MethodName = Annotated[str, OneOf(_method_names, "a name in `optimizers.METHODS` (see Methods)")]
+FactorKind = Annotated[str, OneOf(_factor_kinds, "`none` or a name in `effpretrain.models.FACTOR_KINDS`")]
+Preset = Annotated[str, OneOf(_presets, "a name in `effpretrain.models.PRESETS`", listed=True)]
+
+
+# ----------------------------------------------------------------------------------------------
+# The schema.
 
 
 @dataclass
 class ModelConfig:
     """Which LLaMA to build (see effpretrain.models.PRESETS)."""
 
-    preset: str = "tiny"
-    # Positions the model supports; 0 means data.seq_len.
-    max_position_embeddings: int = 0
+    preset: Preset = "tiny"
+    """The model's shape (layers, width, heads)."""
+    max_position_embeddings: NonNegativeInt = 0
+    """Positions the model supports; 0: `data.seq_len`."""
 
 
 @dataclass
 class FactorConfig:
     """Model surgery: replace attention/MLP linears by factorized layers (PAPER.md 2.6-2.8)."""
 
-    kind: str = "none"  # none | lowrank | lora | relora | sltrain
-    rank: int = 128
-    alpha: float = 32.0
+    kind: FactorKind = "none"
+    """Factorization of the target linears; `none` trains the dense model."""
+    rank: PositiveInt = 128
+    """Rank r of the factor pairs B A."""
+    alpha: PositiveFloat = 32.0
+    """Scale numerator: the factor product is multiplied by alpha / r."""
     targets: list[str] = field(default_factory=lambda: list(ATTN_MLP_TARGETS))
-    density: float = 0.03  # SLTrain sparse support fraction delta
-    seed: int = 0
+    """Names of the linear modules to factorize."""
+    density: Fraction = 0.03
+    """SLTrain: fraction delta of each weight's entries in the fixed random sparse support."""
+    seed: Seed = 0
+    """Seed of the factor initialisation and of SLTrain's sparse support."""
 
 
 @dataclass
 class OptimConfig:
     """The optimizer and its hyper-parameters; projection keys apply to projected methods only."""
 
-    name: str = "adamw"
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    # Projection methods (galore, fira, apollo, apollo_mini, galore_8bit).
-    rank: int = 128
-    update_proj_gap: int = 200
-    scale: float = 0.25
-    proj_type: str = "std"
-    basis: str = "default"  # default | svd | randomized_svd | random
+    name: MethodName = "adamw"
+    """The optimizer."""
+    lr: PositiveFloat = 1e-3
+    """Peak learning rate."""
+    weight_decay: NonNegativeFloat = 0.0
+    """Decoupled (AdamW) weight decay; never applied to vectors (norms, biases)."""
+    beta1: Beta = 0.9
+    """Adam's first-moment decay."""
+    beta2: Beta = 0.999
+    """Adam's second-moment decay."""
+    eps: PositiveFloat = 1e-8
+    """Adam's denominator epsilon."""
+    rank: PositiveInt = 128
+    """Projected methods: rank r of the projection."""
+    update_proj_gap: PositiveInt = 200
+    """Projected methods: steps T between basis refreshes."""
+    scale: PositiveFloat = 0.25
+    """Projected methods: scale alpha of the projected update (Fira's alpha)."""
+    proj_type: Literal["std", "reverse_std", "right", "left", "full"] = "std"
+    """Projected methods: which side of each matrix is projected (GaLore's proj_type)."""
+    basis: Literal["default", "svd", "randomized_svd", "random"] = "default"
+    """Projected methods: how the basis is computed; `default`: the method's own choice."""
     targets: list[str] = field(default_factory=lambda: list(ATTN_MLP_TARGETS))
-    # Method-specific extras passed to the optimizer constructor, e.g. {gamma1: 0.85}.
+    """Projected methods: names of the linear modules whose weights are projected."""
     extra: dict[str, Any] = field(default_factory=dict)
+    """Method-specific constructor keywords (e.g. `{gamma1: 0.85}`) and basis options
+    (`oversample`, `power_iters`, `seed`)."""
 
 
 @dataclass
 class DataConfig:
     """Where tokens come from (builtin | files | hub) and how they become batches."""
 
-    source: str = "builtin"
-    path: str = ""  # files: a .txt/.jsonl/.parquet file or a folder of them
-    name: str = ""  # hub: dataset name, e.g. allenai/c4
-    config: str = ""  # hub: dataset config, e.g. en
+    source: Literal["builtin", "files", "hub"] = "builtin"
+    """`builtin`: standard-library sources, no download; `files`: `data.path`; `hub`: a streamed
+    HF dataset `data.name`."""
+    path: str = ""
+    """`files`: a .txt / .jsonl / .parquet file or a folder of them."""
+    name: str = ""
+    """`hub`: dataset name, e.g. `allenai/c4`."""
+    config: str = ""
+    """`hub`: dataset config, e.g. `en`."""
     split: str = "train"
-    val_split: str = ""  # hub: held-out split (e.g. validation); empty = carve from split
+    """`hub`: the training split."""
+    val_split: str = ""
+    """`hub`: the held-out split (e.g. `validation`); empty: held out from `data.split`."""
     text_field: str = "text"
-    tokenizer: str = "builtin-bpe"  # builtin-bpe | any HF tokenizer name or path (e.g. t5-base)
-    vocab_size: int = 8192  # builtin-bpe only
-    seq_len: int = 128
-    mode: str = "pack"  # pack | truncate
-    val_every: int = 50  # every Nth document is held out for validation (builtin/files)
-    shuffle_seed: int = 0
+    """`files` (.jsonl, .parquet) and `hub`: the field holding each document's text."""
+    tokenizer: str = "builtin-bpe"
+    """`builtin-bpe` (trained on the corpus) or any HF tokenizer name or path, e.g. `t5-base`."""
+    vocab_size: PositiveInt = 8192
+    """`builtin-bpe` only: the vocabulary size."""
+    seq_len: PositiveInt = 128
+    """Tokens per sequence."""
+    mode: Literal["pack", "truncate"] = "pack"
+    """`pack`: documents concatenated with EOS; `truncate`: one document per row, padded (the
+    paper's)."""
+    val_every: PositiveInt = 50
+    """`builtin`, `files` (and `hub` without `data.val_split`): every Nth document is held out."""
+    shuffle_seed: Seed = 0
+    """Seed of the batch order."""
 
 
 @dataclass
 class TrainConfig:
     """The loop: budget, batch, schedule, evaluation, checkpoints, precision."""
 
-    max_steps: int = 300
-    batch_size: int = 16  # sequences per process per micro-step
-    grad_accum: int = 1
-    schedule: str = "cosine"  # cosine | linear | constant
-    warmup_ratio: float = 0.1
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0  # global-norm clipping; 0 disables
-    eval_every: int = 50
-    eval_batches: int = 8
-    save_every: int = 0  # 0: only the final checkpoint
-    keep_checkpoints: int = 2
-    log_every: int = 10
-    seed: int = 0
-    precision: str = "fp32"  # fp32 | bf16-mixed | bf16-pure
-    activation_checkpointing: int = 0  # 0 off; k: checkpoint every k-th layer (1 = all)
-    max_consecutive_skips: int = 5  # non-finite steps in a row before the run stops
-    trackers: list[str] = field(default_factory=list)  # tensorboard | wandb
+    max_steps: PositiveInt = 300
+    """Optimizer steps of the run."""
+    batch_size: PositiveInt = 16
+    """Sequences per process per micro-step."""
+    grad_accum: PositiveInt = 1
+    """Micro-steps per optimizer step."""
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Learning-rate decay after the warmup."""
+    warmup_ratio: Fraction = 0.1
+    """Fraction of `train.max_steps` spent in the linear warmup."""
+    min_lr_ratio: Fraction = 0.1
+    """Final learning rate as a fraction of `optim.lr`."""
+    grad_clip: NonNegativeFloat = 1.0
+    """Global gradient-norm clipping threshold; 0 disables."""
+    eval_every: NonNegativeInt = 50
+    """Steps between evaluations (exact token-weighted validation loss and perplexity); 0: only at
+    the end."""
+    eval_batches: PositiveInt = 8
+    """Batches of the fixed held-out set per evaluation."""
+    save_every: NonNegativeInt = 0
+    """Steps between checkpoints; 0: only the final checkpoint."""
+    keep_checkpoints: PositiveInt = 2
+    """Newest complete checkpoints kept."""
+    log_every: PositiveInt = 10
+    """Steps between `metrics.jsonl` records."""
+    seed: Seed = 0
+    """Seed of the model initialisation and the run's random state."""
+    precision: Precision = "fp32"
+    """`fp32`; `bf16-mixed` (fp32 weights and states, bf16 autocast); `bf16-pure` (bf16 weights,
+    gradients and states: the paper's)."""
+    activation_checkpointing: Annotated[int, NON_NEGATIVE, BOOL_AS_INT] = 0
+    """0 (or false): off; k: checkpoint every k-th decoder layer (1 or true: all)."""
+    max_consecutive_skips: PositiveInt = 5
+    """Non-finite steps in a row (skipped) before the run stops."""
+    trackers: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)
+    """Experiment trackers (`pip install 'effpretrain[track]'`)."""
     plot: bool = True
+    """Write `curves.png` at the end."""
 
 
 @dataclass
 class RestartsConfig:
     """Weight refactorization and momentum reset every `every` steps (PAPER.md 2.9)."""
 
-    every: int = 0  # 0 disables
+    every: NonNegativeInt = 0
+    """Steps between restarts (ReLoRA: merges); 0 disables."""
     refactorize: bool = True
+    """Rebalance each low-rank factor pair at a restart (low-rank factorizations only)."""
     reset_momentum: bool = True
-    recovery_steps: int = 10
+    """Zero the optimizer's moments at a restart."""
+    recovery_steps: NonNegativeInt = 10
+    """Steps over which the learning rate ramps back up after a restart."""
 
 
 @dataclass
 class DistConfig:
     """Data parallelism across processes (launch with accelerate launch or torchrun)."""
 
-    sharding: str = "ddp"  # ddp | fsdp2 (used only when several processes run)
+    sharding: Literal["ddp", "fsdp2"] = "ddp"
+    """How several processes split the model: `ddp` (replicas) or `fsdp2` (sharded weights,
+    gradients and states); unused in a single process."""
 
 
 @dataclass
@@ -133,6 +302,8 @@ class RunConfig:
     """Everything a run needs; `method` is a display name (defaults to the recipe's stem)."""
 
     method: str = ""
+    """Display name for tables and run folders; empty: the recipe's file name (without a recipe:
+    `optim.name`, or `factor.kind` when it factorizes)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     factor: FactorConfig = field(default_factory=FactorConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -143,159 +314,169 @@ class RunConfig:
 
 
 # ----------------------------------------------------------------------------------------------
-# Validation of values: (key, predicate, message). Checked after every load and override.
-_CHOICES = {
-    "optim.proj_type": ("std", "reverse_std", "right", "left", "full"),
-    "optim.basis": ("default", "svd", "randomized_svd", "random"),
-    "data.source": ("builtin", "files", "hub"),
-    "data.mode": ("pack", "truncate"),
-    "train.schedule": ("cosine", "linear", "constant"),
-    "train.precision": ("fp32", "bf16-mixed", "bf16-pure"),
-    "dist.sharding": ("ddp", "fsdp2"),
-}
-_POSITIVE = [
-    "factor.rank",
-    "factor.alpha",
-    "optim.lr",
-    "optim.eps",
-    "optim.rank",
-    "optim.update_proj_gap",
-    "optim.scale",
-    "data.seq_len",
-    "data.vocab_size",
-    "data.val_every",
-    "train.max_steps",
-    "train.batch_size",
-    "train.grad_accum",
-    "train.eval_batches",
-    "train.log_every",
-    "train.keep_checkpoints",
-    "train.max_consecutive_skips",
-]
-_NON_NEGATIVE = [
-    "model.max_position_embeddings",
-    "optim.weight_decay",
-    "train.grad_clip",
-    "train.eval_every",
-    "train.save_every",
-    "train.activation_checkpointing",
-    "restarts.every",
-    "restarts.recovery_steps",
-    "train.seed",
-    "factor.seed",
-    "data.shuffle_seed",
-]
-_UNIT = ["optim.beta1", "optim.beta2", "train.warmup_ratio", "train.min_lr_ratio", "factor.density"]
+# Validation: every leaf's declared constraints, then the rules that join several keys.
 
 
-def _get(cfg: RunConfig, dotted: str) -> Any:
-    obj: Any = cfg
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
+def _show(value: Any) -> str:
+    """`repr` for an error message, shortened: a bad value may be a whole file's worth."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int beyond Python's str conversion limit
+        return "<a number too large to print>"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _not_one_of(source: str, key: str, value: Any, choices: Sequence[Any]) -> ConfigError:
+    return ConfigError(f"{source}: {key}={_show(value)} is not one of {', '.join(map(str, choices))}")
+
+
+def _leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any, Any, type, str]]:
+    """(dotted key, value, type hint, owning dataclass, field name) of every non-section field,
+    in declaration order."""
+    hints = typing.get_type_hints(type(obj), include_extras=True)
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _leaves(value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", value, hints[f.name], type(obj), f.name
+
+
+def _check(key: str, value: Any, tp: Any, source: str) -> None:
+    """Raises ConfigError if `value` breaks a constraint declared in `tp` (choices, ranges)."""
+    origin = typing.get_origin(tp)
+    if origin is Annotated:
+        base, *meta = typing.get_args(tp)
+        _check(key, value, base, source)
+        for m in meta:
+            if isinstance(m, OneOf) and value not in m.names():
+                raise _not_one_of(source, key, value, m.names())
+            if isinstance(m, Check):
+                try:
+                    ok = bool(m.test(value))
+                except TypeError:  # a wrong type set in code, not through the loader
+                    ok = False
+                if not ok:
+                    raise ConfigError(f"{source}: {key}={_show(value)} must be {m.text}")
+    elif origin is Literal:
+        if value not in typing.get_args(tp):
+            raise _not_one_of(source, key, value, typing.get_args(tp))
+    elif origin is list:
+        (inner,) = typing.get_args(tp)
+        for i, v in enumerate(value):
+            _check(f"{key}[{i}]", v, inner, source)
+    elif tp is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{source}: {key}={_show(value)} must be a finite number")
 
 
 def validate(cfg: RunConfig, source: str = "config") -> RunConfig:
-    """Checks ranges and choices; raises ConfigError naming the key and `source`."""
-    for key, choices in _CHOICES.items():
-        if _get(cfg, key) not in choices:
-            raise ConfigError(f"{source}: {key}={_get(cfg, key)!r} is not one of {', '.join(choices)}")
-    for key in _POSITIVE:
-        if not _get(cfg, key) > 0:
-            raise ConfigError(f"{source}: {key}={_get(cfg, key)!r} must be > 0")
-    for key in _NON_NEGATIVE:
-        if _get(cfg, key) < 0:
-            raise ConfigError(f"{source}: {key}={_get(cfg, key)!r} must be >= 0")
-    for key in _UNIT:
-        v = _get(cfg, key)
-        if not 0.0 <= v <= 1.0 or (key.startswith("optim.beta") and v >= 1.0):
-            raise ConfigError(f"{source}: {key}={v!r} must be in [0, 1)")
-    for key in ("trackers",):
-        for t in cfg.train.trackers:
-            if t not in ("tensorboard", "wandb"):
-                raise ConfigError(f"{source}: train.{key} entry {t!r} is not one of tensorboard, wandb")
+    """Checks choices and ranges; raises ConfigError naming the key and `source`."""
+    for key, value, tp, *_ in _leaves(cfg):
+        _check(key, value, tp, source)
     if cfg.data.source == "files" and not cfg.data.path:
         raise ConfigError(f"{source}: data.path is required when data.source=files")
     if cfg.data.source == "files" and not Path(cfg.data.path).expanduser().exists():
         raise ConfigError(f"{source}: data.path not found: {cfg.data.path}")
     if cfg.data.source == "hub" and not cfg.data.name:
         raise ConfigError(f"{source}: data.name is required when data.source=hub")
-    from optimizers import METHODS
-
-    if cfg.optim.name not in METHODS:
-        raise ConfigError(
-            f"{source}: optim.name={cfg.optim.name!r} is not one of {', '.join(sorted(METHODS))}"
-        )
-    from effpretrain.models import FACTOR_KINDS
-
-    if cfg.factor.kind != "none" and cfg.factor.kind not in FACTOR_KINDS:
-        raise ConfigError(
-            f"{source}: factor.kind={cfg.factor.kind!r} is not one of none, {', '.join(FACTOR_KINDS)}"
-        )
-    from effpretrain.models import PRESETS
-
-    if cfg.model.preset not in PRESETS:
-        raise ConfigError(f"{source}: model.preset={cfg.model.preset!r} is not one of {', '.join(PRESETS)}")
     return cfg
 
 
 # ----------------------------------------------------------------------------------------------
 # Strict typed filling of dataclasses from plain dicts.
 
+#: Ints are 64-bit everywhere they end up (torch, numpy, checkpoints' JSON readers).
+_INT_LIMIT = 2**63
+
 
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
-    origin = typing.get_origin(tp)
-    if tp is Any:
+def _plain(value: Any, key: str, source: str) -> Any:
+    """A free-form value (`optim.extra`): plain YAML data only, since it is hashed as JSON and saved
+    in checkpoints (no dates, sets or binary)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if isinstance(value, list):
+        return [_plain(v, f"{key}[{i}]", source) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        return {
+            _coerce(k, str, f"{key} key", source): _plain(v, f"{key}.{k}", source) for k, v in value.items()
+        }
+    raise ConfigError(
+        f"{source}: {key}={_show(value)} has the wrong type (expected numbers, strings, lists or mappings)"
+    )
+
+
+def _scalar(value: Any, tp: Any, key: str, source: str) -> Any:
+    if tp is bool and isinstance(value, bool):
+        return value
+    if tp is str and isinstance(value, str):
+        return value
+    # bool is an int subclass in Python; YAML's true/false is never a number here.
+    if tp is int and isinstance(value, int) and not isinstance(value, bool):
+        if not -_INT_LIMIT <= value < _INT_LIMIT:
+            raise ConfigError(f"{source}: {key}={_show(value)} is out of range (a 64-bit integer)")
+        return value
+    if tp is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        try:  # YAML 1.1 reads 1e-3 (no dot) as a string
+            number = float(value)
+        except ValueError:
+            number = None
+        except OverflowError:  # an int too large for a float
+            number = math.inf
+        if number is not None:
+            if not math.isfinite(number):
+                raise ConfigError(f"{source}: {key}={_show(value)} must be a finite number")
+            return number
+    raise ConfigError(f"{source}: {key}={_show(value)} has the wrong type (expected {_type_name(tp)})")
+
+
+def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
+    """`value` as type `tp` (the field's hint), or ConfigError; Literal choices checked here too."""
+    origin = typing.get_origin(tp)
+    if origin is Annotated:
+        base, *meta = typing.get_args(tp)
+        if isinstance(value, bool) and BOOL_AS_INT in meta:
+            return int(value)
+        return _coerce(value, base, key, source)
+    if tp is Any:
+        return _plain(value, key, source)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if any(value == c and type(value) is type(c) for c in choices):
+            return value
+        raise _not_one_of(source, key, value, choices)
     if origin in (Union, types.UnionType):
         for arg in typing.get_args(tp):
             try:
                 return _coerce(value, arg, key, source)
             except ConfigError:
                 continue
-        raise ConfigError(f"{source}: {key}={value!r} has the wrong type (expected {tp})")
+        raise ConfigError(f"{source}: {key}={_show(value)} has the wrong type (expected {tp})")
     if origin is list:
         (inner,) = typing.get_args(tp)
         if not isinstance(value, list):
-            raise ConfigError(f"{source}: {key}={value!r} has the wrong type (expected a list)")
+            raise ConfigError(f"{source}: {key}={_show(value)} has the wrong type (expected a list)")
         return [_coerce(v, inner, f"{key}[{i}]", source) for i, v in enumerate(value)]
     if origin is dict:
+        key_tp, value_tp = typing.get_args(tp)
         if not isinstance(value, dict):
-            raise ConfigError(f"{source}: {key}={value!r} has the wrong type (expected a mapping)")
-        return dict(value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        # YAML `true` is a bool, which Python calls an int: accept it only for on/off ints.
-        if isinstance(value, bool):
-            if key.endswith("activation_checkpointing"):
-                return int(value)
-        elif isinstance(value, int):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:  # YAML 1.1 reads 1e-3 (no dot) as a string
-                return float(value)
-            except ValueError:
-                pass
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    raise ConfigError(f"{source}: {key}={value!r} has the wrong type (expected {_type_name(tp)})")
+            raise ConfigError(f"{source}: {key}={_show(value)} has the wrong type (expected a mapping)")
+        return {
+            _coerce(k, key_tp, f"{key} key", source): _coerce(v, value_tp, f"{key}.{k}", source)
+            for k, v in value.items()
+        }
+    return _scalar(value, tp, key, source)
 
 
-def _fill(obj: Any, data: dict[str, Any], prefix: str, source: str) -> None:
+def _fill(obj: Any, data: Any, prefix: str, source: str) -> None:
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: {prefix.rstrip('.') or 'top level'} must be a mapping, got {data!r}")
+        where = prefix.rstrip(".") or "top level"
+        raise ConfigError(f"{source}: {where} must be a mapping, got {_show(data)}")
     fields = {f.name: f for f in dataclasses.fields(obj)}
-    hints = typing.get_type_hints(type(obj))
+    hints = typing.get_type_hints(type(obj), include_extras=True)
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         if key not in fields:
@@ -313,19 +494,91 @@ def from_dict(data: dict[str, Any], source: str = "config") -> RunConfig:
     return cfg
 
 
+# ----------------------------------------------------------------------------------------------
+# YAML: recipes and override values.
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error (PyYAML
+    keeps the last value silently, so a recipe would not say what runs)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may override its keys
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+                seen.add(key)
+            except TypeError:  # unhashable: the base class reports it
+                continue
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping",
+                    node.start_mark,
+                    f"duplicate key {key!r}",
+                    key_node.start_mark,
+                )
+        return super().construct_mapping(node, deep)
+
+
+def _parse_yaml(text: str, source: str, what: str) -> Any:
+    """`text` as YAML data, or ConfigError ("{source}: {what} (line L, column C: problem)")."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise ConfigError(f"{source}: {what} ({where}{e.problem or e.context})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: {what} ({str(e).splitlines()[0]})") from None
+    # Values YAML matches but Python refuses: a date 2024-13-45, an int of 5000 digits.
+    except (ValueError, OverflowError) as e:
+        raise ConfigError(f"{source}: {what} ({e})") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: {what} (nested too deeply)") from None
+
+
+def _read_recipe(path: str | Path) -> dict[str, Any]:
+    """The recipe's top-level mapping; ConfigError if it is missing, unreadable, not UTF-8 text,
+    not YAML, empty, or not a mapping."""
+    p, source = Path(path), str(path)
+    try:
+        if p.is_dir():
+            raise ConfigError(f"recipe {source} is a directory, not a file")
+        if not p.exists():
+            raise ConfigError(f"recipe not found: {source}")
+        if not p.is_file():  # a FIFO or device would block or never end
+            raise ConfigError(f"recipe {source} is not a regular file")
+        raw = p.read_bytes()
+    except (OSError, ValueError) as e:  # permissions, a name too long or with a NUL byte
+        raise ConfigError(f"cannot read recipe {source}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{source}: not UTF-8 text (byte {e.start}: {raw[e.start : e.start + 1]!r})"
+        ) from None
+    data = _parse_yaml(text, source, "not valid YAML")
+    if data is None:
+        raise ConfigError(f"{source}: recipe is empty (write {{}} for all defaults)")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: a recipe must be a mapping of sections, got {_show(data)}")
+    return data
+
+
 def apply_overrides(cfg: RunConfig, overrides: list[str], source: str = "--set") -> RunConfig:
-    """Applies ``section.key=value`` strings; values are parsed as YAML scalars."""
+    """Applies ``section.key=value`` strings; values are parsed as YAML."""
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"{source}: {item!r} is not of the form section.key=value")
+            raise ConfigError(f"{source}: {_show(item)} is not of the form section.key=value")
         key, raw = item.split("=", 1)
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{source}: cannot parse value of {key!r}: {e}".splitlines()[0]) from None
+        key = key.strip()
+        value = _parse_yaml(raw, source, f"cannot parse value of {key!r}") if raw != "" else ""
         nested: dict[str, Any] = {}
         cur = nested
-        parts = key.strip().split(".")
+        parts = key.split(".")
         for p in parts[:-1]:
             cur = cur.setdefault(p, {})
         cur[parts[-1]] = value
@@ -338,19 +591,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if path is None:
         cfg, source = RunConfig(), "defaults"
     else:
-        p = Path(path)
         source = str(path)
-        if not p.is_file():
-            raise ConfigError(f"recipe not found: {path}")
-        try:
-            data = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{source}: not valid YAML ({str(e).splitlines()[0]})") from None
-        if data is not None and not isinstance(data, dict):
-            raise ConfigError(f"{source}: a recipe must be a mapping of sections")
-        cfg = from_dict(data or {}, source)
+        cfg = from_dict(_read_recipe(path), source)
         if not cfg.method:
-            cfg.method = p.stem
+            cfg.method = Path(path).stem
     apply_overrides(cfg, overrides or [])
     if not cfg.method:
         cfg.method = cfg.optim.name if cfg.factor.kind == "none" else cfg.factor.kind
@@ -369,3 +613,60 @@ def config_hash(cfg: RunConfig) -> str:
 
 def dump_yaml(cfg: RunConfig) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# The README's config table, generated from the field docstrings and types.
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The attribute docstrings of a config dataclass (the string right under each field), each
+    joined into one line."""
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _allowed(tp: Any) -> str:
+    """The values a field takes, in words, from its type."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return ", ".join(f"`{c}`" for c in typing.get_args(tp))
+    if origin is list:
+        inner = _allowed(typing.get_args(tp)[0])
+        return f"a list of {inner}" if inner else "a list"
+    if origin is dict:
+        return "a mapping"
+    if origin is Annotated:
+        base, *meta = typing.get_args(tp)
+        for m in meta:
+            if isinstance(m, Check):
+                return f"{_type_name(base)} {m.text}"
+            if isinstance(m, OneOf):
+                return m.where + (": " + ", ".join(f"`{n}`" for n in m.names()) if m.listed else "")
+        return _type_name(base)
+    return _type_name(tp)
+
+
+def _yaml_text(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True, width=10_000).removesuffix("\n...\n").strip()
+
+
+def config_table() -> str:
+    """Markdown table of every YAML key: default, allowed values and meaning (README.md holds a
+    copy that tests/test_config.py compares with this)."""
+    rows = ["| key | default | values | meaning |", "|---|---|---|---|"]
+    for key, value, tp, owner, name in _leaves(RunConfig()):
+        cells = [f"`{key}`", f"`{_yaml_text(value)}`", _allowed(tp), field_docs(owner).get(name, "")]
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows) + "\n"
