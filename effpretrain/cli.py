@@ -13,7 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from effpretrain.config import ConfigError
+from effpretrain.config import PRECISIONS
+from effpretrain.errors import ConfigError
 
 DEFAULT_RECIPE = "recipes/tiny/adamw.yaml"
 
@@ -23,21 +24,25 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"effpretrain: error: {message}\n")
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="effpretrain", description="Memory-efficient LLM pretraining.")
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+#: `--dtype` values: the canonical precision names (config's `train.precision`) plus the CLI-only
+#: shorthand `bf16` for `bf16-pure`.
+DTYPE_CHOICES = (*PRECISIONS, "bf16")
 
+
+def _precision(dtype: str) -> str:
+    """The canonical precision name for a `--dtype` value (`bf16` is shorthand for `bf16-pure`)."""
+    return "bf16-pure" if dtype == "bf16" else dtype
+
+
+def _add_overrides(p: argparse.ArgumentParser, text: str | None = None) -> None:
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=text)
+
+
+def _add_train(sub) -> None:
     t = sub.add_parser("train", help="train from a recipe (default: the tiny AdamW recipe, built-in corpus)")
     t.add_argument("recipe", nargs="?", help="recipe YAML; omitted: the default recipe")
     t.add_argument("--out", help="run directory (default: runs/<method>-<preset>)")
-    t.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key, e.g. --set optim.lr=3e-4 (repeatable)",
-    )
+    _add_overrides(t, "override a config key, e.g. --set optim.lr=3e-4 (repeatable)")
     t.add_argument("--resume", metavar="DIR|auto", help="resume from a checkpoint/run dir, or 'auto'")
     t.add_argument(
         "--allow-config-change",
@@ -45,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
         help="resume even if model/method/batch/data differ from the checkpoint's",
     )
 
+
+def _add_estimate(sub) -> None:
     e = sub.add_parser("estimate", help="analytic memory breakdown (no model is built)")
     e.add_argument("--model", required=True, help="preset, e.g. llama_1b")
     e.add_argument(
@@ -53,7 +60,13 @@ def _parser() -> argparse.ArgumentParser:
         help="optimizer (adamw, galore, ...) or factorization (lowrank, lora, relora, sltrain)",
     )
     e.add_argument("--rank", type=int, default=None, help="projection / factor rank")
-    e.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "bf16-mixed"])
+    e.add_argument(
+        "--dtype",
+        default="bf16-pure",
+        choices=DTYPE_CHOICES,
+        help="storage precision, as train.precision: fp32, bf16-mixed, bf16-pure (default); "
+        "bf16 is shorthand for bf16-pure",
+    )
     e.add_argument("--vocab-size", type=int, default=None)
     e.add_argument("--batch-size", type=int, default=1, help="sequences per rank (activations)")
     e.add_argument("--seq-len", type=int, default=256)
@@ -62,13 +75,18 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--sharding", default="none", choices=["none", "ddp", "fsdp2"])
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="effpretrain", description="Memory-efficient LLM pretraining.")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    _add_train(sub)
+    _add_estimate(sub)
     x = sub.add_parser("export", help="merge factorized layers and write a HuggingFace model folder")
     x.add_argument("run", help="run directory (newest complete checkpoint) or a checkpoint folder")
     x.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
-
     v = sub.add_parser("eval", help="validation loss/perplexity of a checkpoint")
     v.add_argument("checkpoint", help="checkpoint folder or run directory")
-    v.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    _add_overrides(v)
     return p
 
 
@@ -130,16 +148,19 @@ def cmd_estimate(args) -> int:
         raise ConfigError(
             f"--method {args.method!r} is not one of {', '.join(sorted(optimizers.METHODS) + list(FACTOR_KINDS))}"
         )
+    sizes = {"--rank": args.rank, "--world-size": args.world_size, "--batch-size": args.batch_size}
+    sizes.update({"--seq-len": args.seq_len, "--vocab-size": args.vocab_size})
+    for flag, value in sizes.items():
+        if value is not None and value <= 0:
+            raise ConfigError(f"{flag} must be > 0, got {value}")
+    if args.activation_checkpointing < 0:
+        raise ConfigError(f"--activation-checkpointing must be >= 0, got {args.activation_checkpointing}")
     rank = args.rank or 128
-    if args.rank is not None and args.rank <= 0:
-        raise ConfigError(f"--rank must be > 0, got {args.rank}")
-    if args.world_size <= 0:
-        raise ConfigError(f"--world-size must be > 0, got {args.world_size}")
     sharding = args.sharding if args.sharding != "none" or args.world_size == 1 else "ddp"
     est = estimate(
         args.model,
         method,
-        dtype=args.dtype,
+        dtype=_precision(args.dtype),
         vocab_size=args.vocab_size,
         optim_cfg=OptimConfig(name=method, rank=rank),
         factor_kind=factor,

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from effpretrain import cli
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -69,3 +71,69 @@ def test_estimate_llama_1b_adamw_matches_paper():
     assert abs(est["weights_plus_optimizer"] - 8.03e9) / 8.03e9 <= 0.005
     table = run_cli("estimate", "--model", "llama_60m", "--method", "adamw")
     assert table.returncode == 0 and "weights + optimizer" in table.stdout
+
+
+def run_main(capsys, *args: str) -> tuple[int, str, str]:
+    """The CLI in this process (a subprocess costs ~11 s of imports)."""
+    rc = cli.main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_estimate_dtype_takes_the_config_precision_names(capsys):
+    def est(*dtype: str) -> dict:
+        rc, out, err = run_main(capsys, "estimate", "--model", "llama_60m", *dtype, "--json")
+        assert rc == 0, err
+        return json.loads(out)
+
+    pure, short, mixed, fp32 = (
+        est("--dtype", "bf16-pure"),
+        est("--dtype", "bf16"),
+        est("--dtype", "bf16-mixed"),
+        est("--dtype", "fp32"),
+    )
+    assert est() == pure == short  # bf16-pure is the default; bf16 is the CLI's shorthand for it
+    assert pure["dtype"] == "bf16-pure"
+    assert pure["weights"] * 2 == mixed["weights"] == fp32["weights"]
+    assert mixed["activations"] == pure["activations"] < fp32["activations"]
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--dtype", "fp16"], "argument --dtype: invalid choice: 'fp16'"),
+        (["--batch-size", "-1"], "--batch-size must be > 0, got -1"),
+        (["--seq-len", "0"], "--seq-len must be > 0, got 0"),
+        (["--vocab-size", "-5"], "--vocab-size must be > 0, got -5"),
+        (["--activation-checkpointing", "-1"], "--activation-checkpointing must be >= 0, got -1"),
+    ],
+)
+def test_estimate_bad_sizes_exit_2_one_line(capsys, flags, needle):
+    try:
+        rc = cli.main(["estimate", "--model", "llama_60m", *flags])
+    except SystemExit as e:  # argparse's own errors leave through sys.exit
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.splitlines()) == 1 and needle in err, err
+
+
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        (b"optim:\n  lr: 0.01\n  name: caf\xe9\n", "not UTF-8 text"),
+        (b"", "recipe is empty"),
+        (b"\x00\x01\x02", "not valid YAML"),
+        (None, "is a directory, not a file"),
+    ],
+    ids=["latin-1", "empty", "binary", "directory"],
+)
+def test_train_bad_recipe_file_exits_2_in_process(tmp_path, capsys, content, needle):
+    recipe = tmp_path / "recipe.yaml"
+    if content is None:
+        recipe.mkdir()
+    else:
+        recipe.write_bytes(content)
+    rc, _, err = run_main(capsys, "train", str(recipe), "--out", str(tmp_path / "run"))
+    assert rc == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert needle in err
+    assert not (tmp_path / "run").exists()
