@@ -305,12 +305,19 @@ class RunConfig:
     """Display name for tables and run folders; empty: the recipe's file name (without a recipe:
     `optim.name`, or `factor.kind` when it factorizes)."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The `model:` section."""
     factor: FactorConfig = field(default_factory=FactorConfig)
+    """The `factor:` section."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """The `optim:` section."""
     data: DataConfig = field(default_factory=DataConfig)
+    """The `data:` section."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """The `train:` section."""
     restarts: RestartsConfig = field(default_factory=RestartsConfig)
+    """The `restarts:` section."""
     dist: DistConfig = field(default_factory=DistConfig)
+    """The `dist:` section."""
 
 
 # ----------------------------------------------------------------------------------------------
