@@ -71,7 +71,8 @@ class StopSignals:
             with contextlib.suppress(ValueError):  # not in the main thread
                 self._previous[s] = signal.signal(s, self._on_signal)
         if self._previous:
-            self._watchdog = _Watchdog(self)
+            with contextlib.suppress(ValueError, OSError):  # a platform without a pipe wake-up fd
+                self._watchdog = _Watchdog(self)
         return self
 
     def __exit__(
@@ -109,11 +110,15 @@ class _Watchdog:
 
     def __init__(self, policy: StopSignals):
         self.policy = policy
-        self._read, write = os.pipe()
-        os.set_blocking(write, False)
+        self._read, self._write = os.pipe()
+        try:
+            os.set_blocking(self._write, False)
+            self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        except BaseException:
+            os.close(self._read)
+            os.close(self._write)
+            raise
         self._quit_read, self._quit_write = os.pipe()
-        self._write = write
-        self._previous_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
         self._thread = threading.Thread(target=self._run, name="effpretrain-stop-watchdog", daemon=True)
         self._thread.start()
 

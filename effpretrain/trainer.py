@@ -55,6 +55,8 @@ class NonFiniteError(RuntimeError):
 
 @dataclass
 class Progress:
+    """Where the run is: optimizer steps taken, tokens trained, skipped (non-finite) steps."""
+
     step: int = 0
     tokens: int = 0
     skipped: int = 0
