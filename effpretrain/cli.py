@@ -92,6 +92,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def cmd_train(args) -> int:
     from effpretrain.config import load_config
+    from effpretrain.signals import RunInterrupted
     from effpretrain.trainer import NonFiniteError, train
 
     recipe = args.recipe
@@ -104,6 +105,9 @@ def cmd_train(args) -> int:
     except NonFiniteError as e:
         print(f"effpretrain: training stopped: {e}", file=sys.stderr)
         return 3
+    except RunInterrupted as e:
+        print(f"effpretrain: {e}", file=sys.stderr)
+        return e.exit_code
     if "final_val_ppl" in summary and os.environ.get("LOCAL_RANK", "0") == "0":
         print(
             f"done: {summary['steps']} steps, {summary['tokens']:,} tokens, val_loss {summary['final_val_loss']:.4f}, "

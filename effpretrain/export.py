@@ -21,7 +21,7 @@ log = logging.getLogger("effpretrain")
 def export(run_or_ckpt: str | Path, out: str | Path) -> Path:
     """Writes the merged model of the newest complete checkpoint of a run (or of one checkpoint)."""
     from effpretrain.models import merge_factorized_
-    from effpretrain.trainer import build_run_model
+    from effpretrain.run_model import build_run_model
 
     src = Path(run_or_ckpt)
     path = find_resume(src, "auto") if (src / "checkpoints").is_dir() else src

@@ -36,7 +36,6 @@ from transformers.trainer_callback import ExportableState
 
 import optimizers
 from effpretrain import memory
-from effpretrain import trainer as trainer_mod
 from effpretrain.config import (
     ATTN_MLP_TARGETS,
     FactorConfig,
@@ -48,6 +47,7 @@ from effpretrain.config import (
 )
 from effpretrain.models.factorized import FACTOR_KINDS, apply_factorization, factorized_layers
 from effpretrain.models.llama import PRESETS
+from effpretrain.optim_setup import build_optimizer_and_schedule, opt_telemetry, restart_ramps, wrap_restarts
 from optimizers.momentum_reset import unwrap_optimizer
 from optimizers.restarts import Restarts, recovery_factor
 
@@ -262,11 +262,7 @@ def create_optimizer(
         recovery_steps=recovery_steps,
         **method_kwargs,
     )
-    groups = trainer_mod.build_param_groups(model, cfg)
-    opt = optimizers.build_optimizer(cfg.optim.name, groups, **trainer_mod.optimizer_kwargs(cfg))
-    if cfg.restarts.every > 0:
-        opt = trainer_mod.wrap_restarts(opt, model, cfg)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: trainer_mod.lr_factor(s, cfg))
+    opt, sched = build_optimizer_and_schedule(model, cfg)
     _CONFIGS[opt] = cfg
     return opt, sched
 
@@ -586,9 +582,9 @@ class EffPretrainCallback(TrainerCallback, ExportableState):
                     recovery_steps=self.recovery_steps,
                 ),
             )
-            self._restarts = trainer_mod.wrap_restarts(unwrap_optimizer(optimizer), model, cfg)
+            self._restarts = wrap_restarts(unwrap_optimizer(optimizer), model, cfg)
             # The same condition under which the trainer's lr_factor applies the ramp.
-            self._ramp = trainer_mod.restart_ramps(cfg)
+            self._ramp = restart_ramps(cfg)
         if self.track_memory:
             self.estimate = estimate_memory(
                 model,
@@ -660,7 +656,7 @@ class EffPretrainCallback(TrainerCallback, ExportableState):
     def _telemetry(self) -> dict[str, Any]:
         # The trainer's own refresh telemetry, read from the optimizer below Accelerate's wrapper.
         owner = self._wrapper or unwrap_optimizer(self._optimizer)
-        out = trainer_mod.opt_telemetry(owner)
+        out = opt_telemetry(owner)
         if self._wrapper is not None:
             out["opt/restarts"] = int(self._wrapper.num_restarts)
         elif self._restarts is not None:

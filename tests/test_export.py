@@ -10,7 +10,8 @@ import torch
 from effpretrain.checkpoint import load_checkpoint
 from effpretrain.config import ConfigError, load_config
 from effpretrain.export import export
-from effpretrain.trainer import build_run_model, train
+from effpretrain.run_model import build_run_model
+from effpretrain.trainer import train
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = [

@@ -22,8 +22,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 import optimizers
-from effpretrain import hf, memory
-from effpretrain import trainer as trainer_mod
+from effpretrain import hf, memory, optim_setup
 from effpretrain.models import build_model
 from effpretrain.models.factorized import factor_pairs
 from optimizers.momentum_reset import unwrap_optimizer
@@ -176,7 +175,7 @@ def test_create_optimizer_uses_the_trainers_groups_and_schedule():
         model, "galore", num_training_steps=40, lr=3e-3, rank=8, weight_decay=0.1
     )
     cfg = hf.build_run_config(model, "galore", num_training_steps=40, lr=3e-3, rank=8, weight_decay=0.1)
-    ref = trainer_mod.build_param_groups(model, cfg)
+    ref = optim_setup.build_param_groups(model, cfg)
     assert [[id(p) for p in g["params"]] for g in opt.param_groups] == [
         [id(p) for p in g["params"]] for g in ref
     ]
@@ -184,7 +183,7 @@ def test_create_optimizer_uses_the_trainers_groups_and_schedule():
     assert opt.param_groups[0]["rank"] == 8 and opt.param_groups[0]["project"]
     assert type(opt).__name__ == "GaLoreAdamW"
     for s in range(41):
-        assert sched.lr_lambdas[0](s) == trainer_mod.lr_factor(s, cfg)
+        assert sched.lr_lambdas[0](s) == optim_setup.lr_factor(s, cfg)
     assert (
         hf.apply_factorization
         is __import__("effpretrain.models.factorized", fromlist=["x"]).apply_factorization
@@ -267,7 +266,7 @@ def _check_events(probe: Probe, cfg, every: int, steps: int) -> None:
     assert [n for n, b in probe.balanced.items() if b] == boundaries
     # The LR of update n is lr * lr_factor(n - 1): the ramp restarts after each boundary.
     for n, lr in probe.lr.items():
-        assert lr == pytest.approx(cfg.optim.lr * trainer_mod.lr_factor(n - 1, cfg), rel=1e-9, abs=1e-15)
+        assert lr == pytest.approx(cfg.optim.lr * optim_setup.lr_factor(n - 1, cfg), rel=1e-9, abs=1e-15)
     assert probe.lr[every + 1] < 1e-3 * probe.lr[every]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -40,6 +41,18 @@ def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def open_paths() -> set[str]:
+    """The files this process holds open (Linux: the targets of /proc/self/fd)."""
+    fds = Path("/proc/self/fd")
+    if not fds.is_dir():
+        pytest.skip("needs /proc/self/fd to see which files the process holds open")
+    out = set()
+    for fd in fds.iterdir():
+        with contextlib.suppress(OSError):  # the descriptor listdir itself used is gone
+            out.add(os.readlink(fd))
+    return out
 
 
 def subprocess_env() -> dict[str, str]:
@@ -88,6 +101,193 @@ def test_sigterm_then_resume_auto_matches_uninterrupted(straight, tmp_path):
     assert 4 <= stop_step < 30
     train(load_config(RECIPE, over), out, resume="auto")
     assert same(weights(out, 30), weights(ref_dir, 30))
+
+
+# A run whose next step (after step-2's checkpoint) or whose start-up (loading the corpus) takes
+# ten minutes: what a hung step or a slow data set looks like from outside.
+SLOW_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    import effpretrain.data as data_mod
+    from effpretrain import cli
+    from effpretrain.trainer import Trainer
+
+    where, marker, argv = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
+
+    def stall():
+        marker.touch()
+        if where == "native":
+            # Blocked inside one native call that no signal interrupts (as a collective whose peer
+            # never comes): a default pthread mutex locked twice by its owner deadlocks.
+            import ctypes
+
+            libc, mutex = ctypes.CDLL(None), ctypes.create_string_buffer(64)
+            libc.pthread_mutex_lock(mutex)
+            libc.pthread_mutex_lock(mutex)
+        time.sleep(600)
+
+    real_step, real_load = Trainer._train_step, data_mod.load_corpus
+
+    def slow_step(self):
+        if self.progress.step == 2:
+            stall()
+        return real_step(self)
+
+    def slow_load(cfg):
+        stall()
+        return real_load(cfg)
+
+    if where in ("step", "native"):
+        Trainer._train_step = slow_step
+    else:
+        data_mod.load_corpus = slow_load
+    sys.exit(cli.main(argv))
+    """
+)
+
+
+def _start_slow_run(tmp_path: Path, where: str, over: list[str]) -> tuple[subprocess.Popen, Path, Path]:
+    """Starts SLOW_SCRIPT (stderr to a file) and waits until it stalls; returns (proc, marker, stderr)."""
+    script, marker, err = tmp_path / "slow.py", tmp_path / "stalled", tmp_path / "stderr.txt"
+    script.write_text(SLOW_SCRIPT)
+    argv = ["train", str(RECIPE), "--out", str(tmp_path / "run")] + _sets(over)
+    with open(err, "w") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, str(script), where, str(marker), *argv],
+            env=subprocess_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=fh,
+            start_new_session=True,
+        )
+    _wait_for(lambda: marker.exists(), proc, err)
+    return proc, marker, err
+
+
+def _wait_for(cond, proc: subprocess.Popen, err: Path, timeout: float = 240.0) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert proc.poll() is None, err.read_text()[-2000:]
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def _exit_within(proc: subprocess.Popen, seconds: float) -> int:
+    try:
+        return proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and any worker it started (own session)
+        proc.wait()
+        raise AssertionError(f"still running {seconds} s after the signal") from None
+
+
+def test_second_sigterm_stops_a_stalled_step_at_once_without_a_checkpoint(tmp_path):
+    over = SMALL + ["train.max_steps=10", "train.save_every=2", "train.eval_every=0"]
+    proc, _, err = _start_slow_run(tmp_path, "step", over)
+    proc.send_signal(signal.SIGTERM)
+    # The first signal is handled (the run would finish the step and save) before the second comes.
+    _wait_for(lambda: "send it again to stop at once" in err.read_text(), proc, err, timeout=30)
+    proc.send_signal(signal.SIGTERM)
+    code = _exit_within(proc, 30)  # the step would take ten minutes
+    text = err.read_text()
+    assert code == 128 + signal.SIGTERM, text[-2000:]
+    assert "Traceback" not in text
+    assert "effpretrain: stopped at once by SIGTERM (second signal); no checkpoint written" in text
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-2"]
+    assert not (tmp_path / "run" / "summary.json").exists()
+    steps = [json.loads(ln)["step"] for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the stall is a glibc mutex deadlock")
+def test_second_sigterm_stops_a_step_blocked_in_native_code(tmp_path):
+    """Python cannot run a handler while the main thread is inside one native call: the
+    watchdog, woken by the signal itself, ends the process a few seconds after the second."""
+    from effpretrain.signals import FORCE_EXIT_AFTER_S
+
+    over = SMALL + ["train.max_steps=10", "train.save_every=2", "train.eval_every=0"]
+    proc, _, err = _start_slow_run(tmp_path, "native", over)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(2)  # two signals sent back to back could merge into one pending signal
+    proc.send_signal(signal.SIGTERM)
+    code = _exit_within(proc, FORCE_EXIT_AFTER_S + 25)
+    text = err.read_text()
+    assert code == 128 + signal.SIGTERM, text[-2000:]
+    assert "stopped at once by SIGTERM (second signal); no checkpoint written; blocked in native code" in text
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-2"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_during_start_up_exits_at_once_without_writing(sig, tmp_path):
+    proc, _, err = _start_slow_run(tmp_path, "start-up", SMALL + ["train.max_steps=4"])
+    proc.send_signal(sig)
+    code = _exit_within(proc, 30)  # loading the corpus would take ten minutes
+    text = err.read_text()
+    assert code == 128 + sig, text[-2000:]
+    assert "Traceback" not in text
+    assert f"effpretrain: stopped at once by {sig.name} during start-up" in text
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+DDP_SIGNAL_WORKER = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    from effpretrain.config import load_config
+    from effpretrain.trainer import Trainer, train
+
+    out, recipe, over = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    rank = int(os.environ["RANK"])
+    (out / f"pid-{rank}").write_text(str(os.getpid()))
+    real_step = Trainer._train_step
+
+    def step(self):
+        # Rank 1 holds step 4 until the test has signalled it: rank 0 waits in step 4's all-reduce.
+        if rank == 1 and self.progress.step == 3:
+            (out / "held").touch()
+            while not (out / "go").exists():
+                time.sleep(0.05)
+        return real_step(self)
+
+    Trainer._train_step = step
+    result = train(load_config(recipe, over), out / "run")
+    (out / f"result-{rank}").write_text(repr(result))
+    """
+)
+
+
+def test_sigterm_to_one_ddp_rank_stops_every_rank_at_the_same_step(tmp_path):
+    """A signal that reaches one rank only (or the ranks on either side of a step boundary) must
+    stop all of them after the same step; otherwise one saves while the other trains on and both
+    wait forever in mismatched collectives."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker, err = tmp_path / "worker.py", tmp_path / "stderr.txt"
+    worker.write_text(DDP_SIGNAL_WORKER)
+    over = SMALL + ["train.max_steps=10", "train.eval_every=0", "train.batch_size=2"]
+    env = dict(subprocess_env(), OMP_NUM_THREADS="1")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    with open(err, "w") as fh:
+        proc = subprocess.Popen(
+            [*launcher, "--master_port", str(port), str(worker), str(tmp_path), str(RECIPE), *over],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=fh,
+            start_new_session=True,
+        )
+    _wait_for(lambda: (tmp_path / "held").exists(), proc, err)
+    os.kill(int((tmp_path / "pid-1").read_text()), signal.SIGTERM)
+    _wait_for(lambda: "send it again to stop at once" in err.read_text(), proc, err, timeout=30)
+    (tmp_path / "go").touch()
+    code = _exit_within(proc, 120)
+    assert code == 0, err.read_text()[-3000:]
+    for rank in (0, 1):
+        assert (tmp_path / f"result-{rank}").read_text() == "{'stopped_by_signal': 15, 'step': 4}"
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-4"]
 
 
 KILL_SCRIPT = textwrap.dedent(
@@ -191,8 +391,14 @@ def test_nonfinite_gradients_skip_without_advancing_and_stop_after_n(tmp_path):
         return out
 
     trainer._train_step = spy
-    with pytest.raises(NonFiniteError, match="3 consecutive non-finite steps"):
+    handlers = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)]
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    with pytest.raises(NonFiniteError, match="3 consecutive non-finite steps") as stopped:
         trainer.fit()
+    # The run's metrics.jsonl is closed (no descriptor of this process points at it) although the
+    # traceback, held by `stopped`, keeps fit()'s frames alive; the signal handlers are back.
+    assert stopped.tb is not None and str(metrics.resolve()) not in open_paths()
+    assert [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)] == handlers
     for attempt in (3, 4):
         finite, before, after = seen[attempt]
         assert not finite
@@ -207,7 +413,7 @@ def test_nonfinite_gradients_skip_without_advancing_and_stop_after_n(tmp_path):
     assert seen[5][0] and trainer.progress.skipped == 5
     # Attempts 1,2,5,6,7,8 were good: 6 steps; the run stopped at the third skip in a row.
     assert trainer.progress.step == 6
-    events = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    events = [json.loads(ln) for ln in metrics.read_text().splitlines()]
     assert sum(e.get("event") == "skip" for e in events) == 5
     assert (tmp_path / "run" / "checkpoints" / "step-4").is_dir()  # the last good checkpoint is kept
 

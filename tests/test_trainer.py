@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from effpretrain.config import load_config
-from effpretrain.trainer import lr_factor, train
+from effpretrain.optim_setup import lr_factor
+from effpretrain.trainer import train
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_RECIPES = sorted((ROOT / "recipes" / "tiny").glob("*.yaml"))
@@ -110,8 +111,8 @@ def test_schedule_warmup_cosine_floor():
 
 
 def test_activation_checkpointing_same_gradients(tiny_overrides):
+    from effpretrain.loss import token_loss_sum
     from effpretrain.models import build_model, set_activation_checkpointing
-    from effpretrain.trainer import token_loss_sum
 
     torch.manual_seed(0)
     ids = torch.randint(0, 512, (2, 16))

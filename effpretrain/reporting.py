@@ -1,0 +1,284 @@
+"""What a run reports: metrics.jsonl, Accelerate trackers, the progress bar, summary.json, curves.
+
+`RunReport` owns everything a run writes besides its checkpoints, for the length of a `with`
+block: it is opened before the loop and always closed after it, whether the run finished,
+stopped on a signal or raised (repeated non-finite steps, an interrupt, any error).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+import torch
+
+import optimizers
+from effpretrain import memory
+from effpretrain.config import RunConfig, config_hash, dump_yaml, to_dict
+from effpretrain.optim_setup import opt_telemetry
+from optimizers._sharded import local as _local
+
+
+class RunReport:
+    """The run's metrics.jsonl (main process only), trackers and progress bar, as one context.
+
+    Entering writes config.yaml, starts the trackers and opens metrics.jsonl for appending (a
+    resumed run continues the same file); leaving closes the bar and the file and ends the
+    trackers, on every path out of the block.
+
+    Args:
+        acc: the run's `accelerate.Accelerator`.
+        cfg: the run's config (written to config.yaml and to the trackers).
+        out: the run directory.
+        start_step: the step the loop starts at (0, or the resumed step), for the progress bar.
+    """
+
+    def __init__(self, acc: Any, cfg: RunConfig, out: Path, start_step: int):
+        self.acc, self.cfg, self.out, self.start_step = acc, cfg, out, start_step
+        self.metrics_path = out / "metrics.jsonl"
+        self.file: IO[str] | None = None
+        self._bar: Any = None
+
+    def __enter__(self) -> RunReport:
+        cfg, main = self.cfg, self.acc.is_main_process
+        self.out.mkdir(parents=True, exist_ok=True)
+        if main:
+            (self.out / "config.yaml").write_text(dump_yaml(cfg))
+        if self.acc.trackers:
+            self.acc.init_trackers(cfg.method or "effpretrain", config=flat_config(to_dict(cfg)))
+        if main:
+            self.file = open(self.metrics_path, "a")
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(
+                total=cfg.train.max_steps,
+                initial=self.start_step,
+                desc=cfg.method,
+                dynamic_ncols=True,
+                file=sys.stderr,
+                mininterval=0.5 if sys.stderr.isatty() else 10.0,
+            )
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            self.close_progress()
+            if self.file is not None:
+                self.file.close()
+        finally:
+            if self.acc.trackers:
+                if exc_type is None:
+                    self.acc.end_training()
+                else:
+                    # Only close the trackers: end_training would also tear down the process group
+                    # while other ranks may still be on their way out.
+                    for tracker in self.acc.trackers:
+                        tracker.finish()
+
+    def write(self, rec: dict[str, Any]) -> None:
+        """Appends one record to metrics.jsonl (flushed: readable while the run goes on) and sends
+        its numeric fields to the trackers at the record's step."""
+        if self.file is not None:
+            self.file.write(json.dumps(rec) + "\n")
+            self.file.flush()
+        if self.acc.trackers and "step" in rec:
+            self.acc.log(
+                {k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "step"},
+                step=rec["step"],
+            )
+
+    def note(self, msg: str) -> None:
+        """Prints a line on the main process without breaking the progress bar."""
+        if self._bar is not None:
+            self._bar.write(msg, file=sys.stdout)
+        elif self.acc.is_main_process:
+            print(msg, flush=True)
+
+    def advance(self, loss: float, tokens_per_s: float) -> None:
+        """Moves the progress bar by one step and shows the step's loss, throughput and memory."""
+        if self._bar is None:
+            return
+        self._bar.update(1)
+        self._bar.set_postfix(
+            loss=f"{loss:.3f}",
+            ppl=f"{math.exp(min(loss, 50)):.1f}",
+            tok_s=f"{tokens_per_s:,.0f}",
+            mem=f"{memory.peak_memory_bytes(self.acc.device) / 2**30:.2f}G",
+        )
+
+    def close_progress(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        """Writes summary.json and, with `train.plot`, curves.png (main process)."""
+        if self.acc.is_main_process:
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+            if self.cfg.train.plot:
+                plot_run(self.metrics_path, self.out / "curves.png")
+
+
+@dataclass
+class RunClock:
+    """This process's time in the run: throughput counts only the steps it trained (resume-safe).
+
+    Attributes:
+        start_tokens: tokens already trained when this process started (a resumed run's).
+        start_wall: wall-clock start (time.time()).
+        train_s: seconds spent inside training steps so far.
+        step_start: perf_counter() at the start of the current step.
+    """
+
+    start_tokens: int
+    start_wall: float = field(default_factory=time.time)
+    train_s: float = 0.0
+    step_start: float = 0.0
+
+    def start_step(self) -> None:
+        self.step_start = time.perf_counter()
+
+    def end_step(self) -> None:
+        self.train_s += time.perf_counter() - self.step_start
+
+    def since_step_start(self) -> float:
+        return time.perf_counter() - self.step_start
+
+    def tokens_per_s(self, tokens: int) -> float:
+        """Tokens trained by this process per second of training step: (tokens - start) / train_s."""
+        return (tokens - self.start_tokens) / max(self.train_s, 1e-9)
+
+
+def build_summary(
+    cfg: RunConfig,
+    acc: Any,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    *,
+    progress: Any,
+    val: tuple[float, float],
+    clock: RunClock,
+    grad_bytes: int,
+    vocab_size: int,
+    sharding: str,
+) -> dict[str, Any]:
+    """summary.json: the run's result, measured memory beside the estimate, and its provenance.
+
+    Args:
+        model: the (possibly wrapped) trained model; opt: the optimizer below Accelerate's wrapper.
+        progress: the run's step, tokens and skipped steps.
+        val: final (val_loss, val_ppl).
+        grad_bytes: measured gradient bytes per rank.
+        sharding: "none", "ddp" or "fsdp2" as run.
+    """
+    import transformers
+
+    model = acc.unwrap_model(model)
+    weight_bytes = sum(_local(v).numel() * v.element_size() for v in model.state_dict().values())
+    est = memory.estimate_from_config(cfg, vocab_size, acc.num_processes, sharding)
+    measured_state = optimizers.measured_state_bytes(opt)
+    return {
+        "method": cfg.method,
+        "optimizer": cfg.optim.name,
+        "factor": cfg.factor.kind,
+        "model": cfg.model.preset,
+        "params": sum(q.numel() for q in model.parameters()),
+        "trainable_params": sum(q.numel() for q in model.parameters() if q.requires_grad),
+        "steps": progress.step,
+        "tokens": progress.tokens,
+        "skipped_steps": progress.skipped,
+        "final_val_loss": val[0],
+        "final_val_ppl": val[1],
+        "tokens_per_s": clock.tokens_per_s(progress.tokens),
+        "wall_s": time.time() - clock.start_wall,
+        "peak_memory_bytes": memory.peak_memory_bytes(acc.device),
+        "optimizer_state_bytes": measured_state,
+        "weight_bytes": weight_bytes,
+        "grad_bytes": grad_bytes,
+        "estimated": est.as_dict(),
+        "estimate_matches_measured": {
+            "optimizer_state": est.optimizer_state == measured_state,
+            "weights": est.weights == weight_bytes,
+        },
+        "device": device_name(acc.device),
+        "world_size": acc.num_processes,
+        "sharding": sharding,
+        "precision": cfg.train.precision,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "git_commit": git_commit(),
+        "config_hash": config_hash(cfg),
+        **opt_telemetry(opt),
+    }
+
+
+def git_commit() -> str:
+    """The short commit of the source tree effpretrain runs from, or "unknown"."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        )
+        return out.stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's with its core count."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def flat_config(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config dict as dotted keys with tracker-friendly values (numbers, str, bool)."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flat_config(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return out
+
+
+def plot_run(metrics_path: Path, out_png: Path) -> None:
+    """Training loss and validation perplexity against step, from metrics.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train, val = [], []
+    for line in metrics_path.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("event") == "eval":
+            val.append((rec["step"], rec["val_ppl"]))
+        elif "loss" in rec and "event" not in rec:
+            train.append((rec["step"], rec["loss"]))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    if train:
+        a.plot(*zip(*train))
+    a.set(xlabel="step", ylabel="train loss", title="training loss")
+    if val:
+        b.plot(*zip(*val), marker="o")
+        b.set_yscale("log")
+    b.set(xlabel="step", ylabel="val perplexity", title="validation perplexity")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
