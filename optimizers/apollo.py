@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from optimizers import projection as proj
-from optimizers.base import ProjectedAdam
+from optimizers.projected_adam import ProjectedAdam
 
 __all__ = ["APOLLOAdamW", "APOLLOMini", "apollo_torch_next_seed"]
 

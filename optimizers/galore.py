@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from optimizers import projection as proj
-from optimizers.base import ProjectedAdam
+from optimizers.projected_adam import ProjectedAdam
 
 
 class GaLoreAdamW(ProjectedAdam):

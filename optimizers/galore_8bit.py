@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from optimizers.base import ProjectedAdam, itemsize
+from optimizers.projected_adam import ProjectedAdam, itemsize
 from optimizers.galore import GaLoreAdamW
 
 BLOCKSIZE = 256
