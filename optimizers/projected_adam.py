@@ -1,11 +1,11 @@
-"""`ProjectedAdam`: the shared base of the gradient-projection optimizers (GaLore, Fira, APOLLO).
+"""`ProjectedAdam`: Adam on a projected gradient, the shared base of GaLore, Fira and APOLLO.
 
 It owns everything that is not the method's own update rule: param-group parsing and
-eligibility, defaults, the basis-refresh schedule, the (low-rank) Adam moments, the AdamW
-convention, zero-gradient dummy steps, exact resume, telemetry and the state-memory formula.
-A subclass writes one hook, `_projected_update`, that turns the low-rank Adam output into the
-full-size update direction (GaLore: alpha back(N); Fira: + the scaled residual; APOLLO: the
-channel-scaled raw gradient).
+eligibility, defaults, the basis policy and its refresh schedule, the (low-rank) Adam moments,
+the AdamW convention, zero-gradient dummy steps, exact resume, telemetry and the state-memory
+formula. A method writes one hook, `ProjectedAdam._projected_update`, that turns the low-rank Adam
+output into the full-size update direction (GaLore: alpha back(N); Fira: + the scaled residual;
+APOLLO: the channel-scaled raw gradient); everything else it declares as data.
 
 Public, stable API (other modules build on it):
 
@@ -13,36 +13,42 @@ Public, stable API (other modules build on it):
   ``rank``, ``update_proj_gap``, ``proj_type``, ``scale`` (Fira: ``alpha``)) is projected; any other
   group runs plain AdamW. At construction each group gets ``group["project"] = True/False`` and
   every missing key is filled from the defaults; step() never changes ``param_groups``.
-* Projected-group keys and defaults (`PROJECTION_DEFAULTS`): ``rank`` (r, required),
+* Projected-group keys and defaults (`ProjectedAdam.PROJECTION_DEFAULTS`): ``rank`` (r, required),
   ``update_proj_gap`` (T, 200), ``proj_type`` ("std"), ``scale`` (alpha, 1.0), ``basis``
   ("randomized_svd" | "svd" | "random" | "identity"), ``oversample`` (p), ``power_iters`` (q),
-  ``warm_start`` (True), ``seed`` (0). Every group also has ``lr`` (eta, 1e-3), ``betas``
+  ``warm_start`` (True), ``seed`` (0); ``random_stream`` ("mix") where the method has more than
+  one seeded random stream (APOLLO). Every group also has ``lr`` (eta, 1e-3), ``betas``
   (beta1, beta2 = 0.9, 0.999), ``eps`` (epsilon, 1e-6), ``weight_decay`` (lambda, 0.0),
   ``correct_bias`` (True) and ``adam_convention`` ("reference" | "torch", see below).
-* State per parameter (tensors and python numbers only; torch's key names):
-  ``step`` (int t), ``exp_avg`` / ``exp_avg_sq`` (M, V: low-rank shape for projected params, the
-  parameter's shape otherwise; parameter dtype), and for projected params ``basis`` (P, parameter
-  dtype, absent for the "random" method which is regenerated), ``refresh`` (int k, bases computed
-  so far) and ``seed`` (int). Subclasses may add keys (Fira: ``residual_norm``).
-* Telemetry attributes: ``refresh_count`` (int), ``refresh_seconds`` (float), ``failed_refreshes``
-  (int): cumulative since construction (not saved in the state dict).
+* State per parameter (tensors and python numbers only; torch's key names, the module constants
+  `STEP`, `EXP_AVG`, `EXP_AVG_SQ`, `BASIS`, `REFRESH`, `SEED`): ``step`` (int t), ``exp_avg`` /
+  ``exp_avg_sq`` (M, V: low-rank shape for projected params, the parameter's shape otherwise;
+  parameter dtype), and for projected params ``basis`` (P, parameter dtype, absent for the
+  "random" method which is regenerated), ``refresh`` (int k, bases computed so far) and ``seed``
+  (int). Methods add keys (`ProjectedAdam.EXTRA_STATE`: Fira's ``residual_norm``).
+* Telemetry: ``refresh_count`` (int), ``refresh_seconds`` (float), ``failed_refreshes`` (int),
+  cumulative since construction (not saved in the state dict).
 * ``state_bytes(shape, group, dtype)`` classmethod: exact bytes of tensor state after >= 1 step;
   works on a plain dict group (missing keys take the defaults; projected iff it has ``rank``).
 * ``resolve_group(group)`` classmethod: a plain dict group with ``project`` and defaults filled.
+* ``fused`` constructor option (as torch.optim.AdamW's): None uses torch's fused Adam kernel
+  wherever it applies, True requires it (an error where it cannot run), False never uses it.
 
-Subclass hooks (stable; override as needed, call ``super()`` where it says "extend"):
+What a method supplies (GaLore, Fira and APOLLO are each one file of this):
 
-* ``_projected_update(p, grad, low, norm, basis, state, group) -> (D, alpha)``: required; the
-  full-size direction, applied as W <- W - eta_t alpha D (plus weight decay) by `_apply_update`.
-* ``PROJECTION_DEFAULTS`` / ``ADAM_DEFAULTS`` / ``SCALE_KEY`` class attributes (extend by copying).
-* ``_fill_projected(group, defaults)`` (classmethod, extend: aliases such as Fira's alpha),
-  ``_validate_projected(group)`` (extend), ``_param_seed(group, index)``,
-  ``_init_extra_state(p, group, state)`` and ``_extra_state_bytes(shape, group, dtype)`` (own keys),
-  ``_init_moments`` / ``_adam`` / ``_moment_bytes`` (moment storage, e.g. 8-bit),
-  ``_current_basis`` / ``_refresh_due`` (basis policy), ``_projected_step`` (the whole projected
-  step: basis, project, Adam, update).
-* Helpers: ``_side(p, group)``, ``_back(norm, basis, p, group)`` = back(N), ``_adam_math``, ``_decay``,
-  ``_apply_update``.
+* ``_projected_update(s: ProjectedStep) -> (D, alpha)``: the one required hook. D is the
+  full-size direction, applied as W <- W - eta_t alpha D (plus weight decay); D may also be a
+  factor pair (A, B) standing for D = A B, applied by one fused ``addmm_`` with no m x n temporary.
+* Data, as class attributes (extend by copying): ``PROJECTION_DEFAULTS`` and ``ADAM_DEFAULTS``
+  (keys and defaults), ``SCALE_KEY`` (the key holding alpha), ``ALIASES`` (a key that takes
+  another key's value when missing: Fira's ``alpha`` <- ``scale``), ``CHOICES`` (allowed values per
+  key), ``FIXED_RANK`` (APOLLO-Mini's 1), ``EXTRA_STATE`` (0-d state tensors by key and dtype).
+* Moment storage, ``MOMENTS``: an `AdamMoments` class (init / update / nbytes). The default keeps
+  M and V in the parameter dtype and advances them with `adam_update`; GaLore-8bit swaps in
+  block-quantised storage.
+* Basis policy: `ComputedBasis` (the SVD family and the identity: recomputed from G when due and
+  stored) or, for ``basis="random"``, a `SeededRandomBasis` from ``RANDOM_STREAMS`` (regenerated
+  from integers every step, never stored; APOLLO adds apollo-torch's seed chain).
 
 Schedule (galore-torch's): on a parameter's own pre-increment counter t, the basis is recomputed
 when t % T == 0 (so on steps 1, T + 1, 2T + 1, ... counting from 1) or when none exists yet.
@@ -68,18 +74,21 @@ basis is computed, its counter t does not advance, the weight is not touched. Th
 host synchronisation per step for all parameters together.
 
 FSDP2 (parameters and gradients are DTensors sharded across ranks): non-projected parameters
-run AdamW on their local shards (moments sharded like the parameter). A projected parameter's
-step runs on the whole matrix: every rank all-gathers the full gradient and weight, computes the
-same basis and update as a single process would (Fira's and APOLLO's norms over the whole
-matrix), and keeps its own shard; see `_whole_step_sharded` for the memory and
-communication cost. Its projected state is replicated on every rank.
+run AdamW on their local shards (moments sharded like the parameter) when the moment storage is
+element-wise. A projected parameter's step runs on the whole matrix: every rank all-gathers the
+full gradient and weight, computes the same basis and update as a single process would (Fira's
+and APOLLO's norms over the whole matrix), and keeps its own shard; see
+`ProjectedAdam._whole_step_sharded` for the memory and communication cost. Its projected state is
+replicated on every rank.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar, Union
 
 import torch
 
@@ -89,21 +98,31 @@ from optimizers._sharded import local, whole, write_whole_
 
 ADAM_CONVENTIONS: tuple[str, ...] = ("reference", "torch")
 
+# State keys (torch's names where torch has one).
+STEP = "step"
+"""t, the parameter's own Adam step count (int)."""
+EXP_AVG = "exp_avg"
+"""M, Adam's first moment."""
+EXP_AVG_SQ = "exp_avg_sq"
+"""V, Adam's second moment."""
+BASIS = "basis"
+"""P, the stored projection basis (absent for regenerated random bases)."""
+REFRESH = "refresh"
+"""k, bases computed (or random bases drawn) so far (int)."""
+SEED = "seed"
+"""The parameter's own seed (int), from the group's ``seed`` and its position."""
 
-def _sample(g: torch.Tensor, size: int = 256) -> torch.Tensor:
-    """About `size` entries of `g` spread over it (a strided view); `g` itself when it is small
-    or not contiguous (a full pass then costs about as much as taking a sample)."""
-    n = g.numel()
-    if n <= 16 * size or not g.is_contiguous():
-        return g
-    return g.as_strided((size,), (n // size,))  # one dispatch (a view plus a slice is two)
+Direction = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+"""D, a full-size tensor, or a factor pair (A, B) standing for D = A B."""
 
+
+# ---------------------------------------------------------------------- the Adam kernel
 
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _HAS_FUSED_ADAM = hasattr(torch, "_fused_adam_")  # torch.optim.Adam(fused=True)'s kernel
 
 
-def _fusable(m: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> bool:
+def fusable(m: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether torch's fused Adam kernel can advance these moments: plain (not DTensor or other
     subclass), contiguous tensors of one float dtype and shape on one CPU or CUDA device."""
     return (
@@ -118,10 +137,71 @@ def _fusable(m: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> bool:
     )
 
 
+def adam_update(
+    m: torch.Tensor,
+    v: torch.Tensor,
+    x: torch.Tensor,
+    t: int,
+    group: dict[str, Any],
+    fused: bool | None = None,
+) -> tuple[torch.Tensor, float]:
+    """One Adam step of the moments: updates M, V in place with x at step t; returns (N, eta_t).
+
+    M <- beta1 M + (1 - beta1) x;  V <- beta2 V + (1 - beta2) x^2;  then, per the group's
+    ``adam_convention``,
+    reference: N = M / (sqrt(V) + eps), eta_t = eta sqrt(1 - beta2^t) / (1 - beta1^t);
+    torch:     N = M / (sqrt(V / (1 - beta2^t)) + eps), eta_t = eta / (1 - beta1^t).
+    (Without bias correction both factors are 1.)
+
+    The fast path is torch's fused Adam kernel (`_fused_normalised`), one pass instead of seven
+    element-wise ones; it needs bias correction and `fusable` tensors. The op-by-op path
+    (`_unfused_normalised`) computes the same quantities; the two differ by fp32 rounding only.
+
+    Args:
+        m: M, updated in place.
+        v: V, updated in place.
+        x: R (projected) or G (dense), shaped like M.
+        t: the step count after this step (>= 1).
+        group: the param group (``betas``, ``eps``, ``lr``, ``correct_bias``, ``adam_convention``).
+        fused: None takes the fused path wherever it applies; True requires it (ValueError where
+            it cannot run); False takes the op-by-op path.
+    """
+    beta1, beta2 = group["betas"]
+    bc1 = 1.0 - beta1**t if group["correct_bias"] else 1.0
+    bc2 = 1.0 - beta2**t if group["correct_bias"] else 1.0
+    can_fuse = group["correct_bias"] and fusable(m, v, x)
+    if fused and not can_fuse:
+        raise ValueError(
+            "fused Adam needs bias correction and plain contiguous CPU/CUDA tensors of one float "
+            f"dtype (got {type(x).__name__} {x.dtype} on {x.device}, correct_bias={group['correct_bias']})"
+        )
+    if can_fuse if fused is None else fused:
+        return _fused_normalised(m, v, x, t, group, bc1, bc2)
+    return _unfused_normalised(m, v, x, group, bc1, bc2)
+
+
+def _unfused_normalised(
+    m: torch.Tensor, v: torch.Tensor, x: torch.Tensor, group: dict[str, Any], bc1: float, bc2: float
+) -> tuple[torch.Tensor, float]:
+    """`adam_update` op by op (any tensors, DTensor shards included); N is written over the
+    buffer of sqrt(V), so only one temporary is allocated."""
+    beta1, beta2 = group["betas"]
+    m.mul_(beta1).add_(x, alpha=1.0 - beta1)
+    v.mul_(beta2).addcmul_(x, x, value=1.0 - beta2)
+    denom = v.sqrt()
+    if group["adam_convention"] == "torch":
+        denom.div_(math.sqrt(bc2)).add_(group["eps"])
+        step_size = group["lr"] / bc1
+    else:
+        denom.add_(group["eps"])
+        step_size = group["lr"] * math.sqrt(bc2) / bc1
+    return torch.div(m, denom, out=denom), step_size
+
+
 def _fused_normalised(
     m: torch.Tensor, v: torch.Tensor, x: torch.Tensor, t: int, group: dict[str, Any], bc1: float, bc2: float
 ) -> tuple[torch.Tensor, float]:
-    """`ProjectedAdam._adam_math` (bias-corrected) in one pass of torch's fused Adam kernel.
+    """`adam_update` (bias-corrected) in one pass of torch's fused Adam kernel.
 
     The kernel updates M and V as Adam does and then a "parameter" P by
     P <- P - (lr / bc1) M / (sqrt(V) / sqrt(bc2) + eps'). Starting from P = 0 with
@@ -145,9 +225,284 @@ def _fused_normalised(
     return norm, step_size
 
 
-def itemsize(dtype: torch.dtype) -> int:
-    """Bytes per element of `dtype` (s in the state-memory formulas)."""
-    return torch.empty((), dtype=dtype).element_size()
+def _decay(p: torch.Tensor, group: dict[str, Any], before: bool) -> None:
+    """W <- W (1 - eta lambda) if this is the convention's moment for it (torch: before the update)."""
+    lr, wd = group["lr"], group["weight_decay"]
+    if group["adam_convention"] == "torch":
+        if before and wd != 0.0:
+            p.mul_(1.0 - lr * wd)
+    elif not before and wd > 0.0:
+        p.add_(p, alpha=-lr * wd)  # galore-torch's exact operation
+
+
+def _check_adam(g: dict[str, Any]) -> None:
+    if g["lr"] < 0.0:
+        raise ValueError(f"Invalid learning rate: {g['lr']} - should be >= 0.0")
+    b1, b2 = g["betas"]
+    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+        raise ValueError(f"Invalid betas {g['betas']}: each must be in [0.0, 1.0)")
+    if g["eps"] < 0.0:
+        raise ValueError(f"Invalid epsilon value: {g['eps']} - should be >= 0.0")
+    if g["adam_convention"] not in ADAM_CONVENTIONS:
+        raise ValueError(f"adam_convention must be one of {ADAM_CONVENTIONS}, got {g['adam_convention']!r}")
+
+
+# ---------------------------------------------------------------------- moment storage
+
+
+class AdamMoments:
+    """Moment storage: where a parameter's M and V live and how one Adam step advances them.
+
+    This one keeps ``exp_avg`` and ``exp_avg_sq`` in the parameter dtype (2 s L bytes for L
+    entries each, s the itemsize) and advances them with `adam_update`. A method with another
+    storage (GaLore-8bit's quantised blocks) subclasses it and names its class in
+    `ProjectedAdam.MOMENTS`.
+
+    Args:
+        fused: `adam_update`'s ``fused`` (None: the fused kernel wherever it applies).
+    """
+
+    ELEMENTWISE: ClassVar[bool] = True
+    """Under FSDP2, non-projected weights step shard by shard (element-wise moments). Storage
+    whose moments are not element-wise sets False: such weights then step on the whole tensor."""
+
+    def __init__(self, fused: bool | None = None) -> None:
+        self.fused = fused
+
+    def init(
+        self, state: dict[str, Any], p: torch.Tensor, shape: tuple[int, ...] | None, group: dict[str, Any]
+    ) -> None:
+        """Allocates zero M and V of `shape`, or, for None, shaped like `p` itself (an FSDP2 shard
+        stays a shard)."""
+        for key in (EXP_AVG, EXP_AVG_SQ):
+            if shape is None:
+                state[key] = torch.zeros_like(p)
+            else:
+                state[key] = torch.zeros(shape, dtype=p.dtype, device=p.device)
+
+    def update(
+        self, state: dict[str, Any], x: torch.Tensor, group: dict[str, Any]
+    ) -> tuple[torch.Tensor, float]:
+        """Advances M and V with x at step ``state[STEP]`` (already counted); returns (N, eta_t)."""
+        return adam_update(state[EXP_AVG], state[EXP_AVG_SQ], x, state[STEP], group, self.fused)
+
+    @classmethod
+    def nbytes(cls, numel: int, dtype: torch.dtype, group: dict[str, Any]) -> int:
+        """Bytes of M and V holding `numel` entries each: 2 numel s (s = itemsize)."""
+        return 2 * numel * dtype.itemsize
+
+
+# ---------------------------------------------------------------------- basis policies
+
+
+def refresh_due(state: dict[str, Any], group: dict[str, Any]) -> bool:
+    """Whether this step starts with a new basis: none yet, or t % T == 0 on the pre-increment t."""
+    return state[REFRESH] == 0 or state[STEP] % int(group["update_proj_gap"]) == 0
+
+
+class ComputedBasis:
+    """Basis policy of the SVD family and the identity: P is recomputed from G when due and stored.
+
+    State: ``basis`` (P, parameter dtype; s prod(basis_shape) bytes), ``refresh`` (k), ``seed``
+    (mix_seed(group seed, parameter index): randomized_svd's sketch k is drawn from
+    mix_seed(seed, k) and warm-started from the previous P).
+    """
+
+    def init_state(
+        self, state: dict[str, Any], p: torch.Tensor, group: dict[str, Any], side: str, index: int
+    ) -> None:
+        state[REFRESH] = 0
+        state[SEED] = proj.mix_seed(int(group["seed"]), index)
+        # Allocated now (zeros) so a dummy step materialises every key with its final shape.
+        bshape = proj.basis_shape(tuple(p.shape), group["rank"], side, group["basis"])
+        state[BASIS] = torch.zeros(bshape, dtype=p.dtype, device=p.device)
+
+    def basis(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        side: str,
+        stats: proj.RefreshStats,
+    ) -> torch.Tensor | None:
+        """P for this step (parameter dtype), recomputed first when due (counted in `stats`).
+
+        Returns None only when no basis exists yet and computing the first one failed; the caller
+        then skips the parameter without advancing its counter, so the next step retries.
+        """
+        if not refresh_due(state, group):
+            return state[BASIS]  # most steps: nothing else to do
+        prev = state[BASIS] if state[REFRESH] > 0 else None
+        failed = stats.failed
+        new = proj.compute_basis(
+            grad,
+            group["rank"],
+            side,
+            group["basis"],
+            prev,
+            seed=state[SEED],
+            refresh=state[REFRESH] + 1,
+            oversample=group["oversample"],
+            power_iters=group["power_iters"],
+            warm_start=group["warm_start"],
+            stats=stats,
+        )
+        if stats.failed > failed:
+            return prev
+        state[BASIS].copy_(new)
+        state[REFRESH] += 1
+        return state[BASIS]
+
+    def nbytes(self, shape: tuple[int, ...], group: dict[str, Any], side: str, dtype: torch.dtype) -> int:
+        """s prod(basis_shape): k n (right), m k (left) or k (m + n) (full) entries."""
+        return math.prod(proj.basis_shape(shape, int(group["rank"]), side, group["basis"])) * dtype.itemsize
+
+
+class SeededRandomBasis:
+    """Basis policy of ``basis="random"`` (APOLLO, PAPER.md 2.5): a Gaussian P with N(0, 1/r)
+    entries, regenerated every step from integers and never stored (0 bytes).
+
+    On a due refresh the stream moves to its next basis (`advance`) and k is counted; every step
+    then draws P with `projection.gaussian_basis` from `generator_seed`. This stream ("mix"):
+    the parameter's seed is mix_seed(group seed, index) and basis k is drawn from
+    mix_seed(seed, k) (`projection.random_basis`), independent of how many came before. Other
+    streams (apollo-torch's seed chain) override `param_seed`, `advance` and `generator_seed`.
+    """
+
+    def param_seed(self, group: dict[str, Any], index: int) -> int:
+        """Seed of the parameter at position `index` (over all groups)."""
+        return proj.mix_seed(int(group["seed"]), index)
+
+    def advance(self, state: dict[str, Any]) -> None:
+        """Moves the stream to its next basis, before ``refresh`` counts it (nothing to do here)."""
+
+    def generator_seed(self, state: dict[str, Any]) -> int:
+        """Seed of the generator that draws the current basis."""
+        return proj.mix_seed(state[SEED], state[REFRESH])
+
+    def init_state(
+        self, state: dict[str, Any], p: torch.Tensor, group: dict[str, Any], side: str, index: int
+    ) -> None:
+        state[REFRESH] = 0
+        state[SEED] = self.param_seed(group, index)
+
+    def basis(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        side: str,
+        stats: proj.RefreshStats,
+    ) -> torch.Tensor:
+        """P for this step (parameter dtype); a due refresh only moves to the next one."""
+        due = refresh_due(state, group)
+        t0 = time.perf_counter()
+        if due:
+            self.advance(state)
+            state[REFRESH] += 1
+            stats.count += 1
+        seed = self.generator_seed(state)
+        basis = proj.gaussian_basis(tuple(p.shape), int(group["rank"]), side, seed, device=p.device).to(
+            p.dtype
+        )
+        if due:
+            stats.seconds += time.perf_counter() - t0
+        return basis
+
+    def nbytes(self, shape: tuple[int, ...], group: dict[str, Any], side: str, dtype: torch.dtype) -> int:
+        return 0
+
+
+COMPUTED_BASIS = ComputedBasis()
+
+
+@dataclass(slots=True)
+class ProjectedStep:
+    """What `ProjectedAdam._projected_update` gets for one projected m x n parameter and step.
+
+    Attributes:
+        p: the weight W.
+        grad: G.
+        low: R = proj(G).
+        norm: N, the Adam-normalised R (see `adam_update`).
+        basis: P (parameter dtype).
+        side: "right", "left" or "full" (see `projection.choose_side`).
+        state: the parameter's state (``state[STEP]`` is t, already counted).
+        group: its param group.
+    """
+
+    p: torch.Tensor
+    grad: torch.Tensor
+    low: torch.Tensor
+    norm: torch.Tensor
+    basis: torch.Tensor
+    side: str
+    state: dict[str, Any]
+    group: dict[str, Any]
+
+    def back(self, x: torch.Tensor) -> torch.Tensor:
+        """back(x) = x P (right), P x (left) or P_L x P_R (full): from R's space to G's."""
+        return proj.project_back(x, self.basis, self.side, m=self.p.shape[0])
+
+
+# ---------------------------------------------------------------------- the optimizer
+
+
+def _sample(g: torch.Tensor, size: int = 256) -> torch.Tensor:
+    """About `size` entries of `g` spread over it (a strided view); `g` itself when it is small
+    or not contiguous (a full pass then costs about as much as taking a sample)."""
+    n = g.numel()
+    if n <= 16 * size or not g.is_contiguous():
+        return g
+    return g.as_strided((size,), (n // size,))  # one dispatch (a view plus a slice is two)
+
+
+def _nonzero_flags(grads: list[torch.Tensor]) -> list[bool]:
+    """[G != 0 anywhere, for G in grads] with one host synchronisation per device (two when
+    some large gradient's sample is all zero, as in a checkpoint loader's dummy step).
+
+    Uses ||G||_2 != 0 (a fused multi-tensor norm, several times faster than an inf-norm or
+    any() on CPU), first on a strided sample of each large G; inf/nan count as nonzero. A
+    gradient whose every entry is below ~1e-19 (squares underflow in fp32) also reads as
+    zero, which is harmless.
+    """
+    flags: list[bool] = [True] * len(grads)
+    sharded = [g for g in grads if _is_dtensor(g)]
+    if sharded:
+        # FSDP2: a shard may be zero where the whole gradient is not; decide on the whole one,
+        # identically on every rank (the projected step has collectives).
+        import torch.distributed as dist
+
+        norms = torch.stack([n.float() for n in torch._foreach_norm([local(g) for g in grads], ord=2)])
+        nonzero = norms.ne(0).float()
+        dist.all_reduce(nonzero, op=dist.ReduceOp.MAX, group=sharded[0].device_mesh.get_group())
+        return [bool(v) for v in nonzero.tolist()]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, g in enumerate(grads):
+        by_device.setdefault(g.device, []).append(i)
+    for idx in by_device.values():
+        # A strided sample of ~256 entries proves "nonzero" for almost every real gradient of
+        # a large matrix at a fraction of a full pass; only a gradient whose sample is all zero
+        # gets a full norm. Both answers are exact: a nonzero sample entry is a nonzero entry.
+        views = [_sample(grads[i]) for i in idx]
+        if len(views) == 1:  # one norm: no list of results to stack
+            norms = [float(torch.linalg.vector_norm(views[0], dtype=torch.float32))]
+        else:
+            norms = torch.stack(torch._foreach_norm(views, ord=2, dtype=torch.float32)).tolist()
+        unsure = []
+        for i, view, norm in zip(idx, views, norms):
+            flags[i] = norm != 0.0  # nan (an inf/nan entry) counts as nonzero
+            if not flags[i] and view is not grads[i]:
+                unsure.append(i)
+        if unsure:
+            norms = torch.stack(
+                torch._foreach_norm([grads[i] for i in unsure], ord=2, dtype=torch.float32)
+            ).tolist()
+            for i, norm in zip(unsure, norms):
+                flags[i] = norm != 0.0
+    return flags
 
 
 class ProjectedAdam(torch.optim.Optimizer):
@@ -161,16 +516,14 @@ class ProjectedAdam(torch.optim.Optimizer):
         weight_decay: lambda, decoupled weight decay.
         correct_bias: apply Adam's bias correction (1 - beta^t).
         adam_convention: "reference" (galore-torch numerics) or "torch" (torch.optim.AdamW numerics).
+        fused: torch's fused Adam kernel: None where it applies, True always (an error where it
+            cannot run), False never (see `adam_update`).
         **options: defaults for projected groups' keys (`PROJECTION_DEFAULTS`), e.g.
-            ``basis="svd"``, or for a subclass's extra every-group keys (`ADAM_DEFAULTS`); a
+            ``basis="svd"``, or for a method's extra every-group keys (`ADAM_DEFAULTS`); a
             group's own value wins.
     """
 
-    SHARDED_DENSE: ClassVar[bool] = True
-    """Under FSDP2, non-projected weights step shard by shard (element-wise moments). A subclass
-    whose dense moments are not element-wise sets False: they then step on the whole tensor."""
-
-    #: Keys filled into projected groups (those with ``rank``) when missing. Subclasses extend it.
+    #: Keys filled into projected groups (those with ``rank``) when missing. Methods extend it.
     PROJECTION_DEFAULTS: ClassVar[dict[str, Any]] = {
         "update_proj_gap": 200,
         "proj_type": "std",
@@ -181,8 +534,6 @@ class ProjectedAdam(torch.optim.Optimizer):
         "warm_start": True,
         "seed": 0,
     }
-    #: Group key holding alpha, the factor on the projected-back update (Fira calls it ``alpha``).
-    SCALE_KEY: ClassVar[str] = "scale"
     #: Defaults of the Adam keys every group gets (the reference packages' signature).
     ADAM_DEFAULTS: ClassVar[dict[str, Any]] = {
         "lr": 1e-3,
@@ -192,6 +543,23 @@ class ProjectedAdam(torch.optim.Optimizer):
         "correct_bias": True,
         "adam_convention": "reference",
     }
+    #: Group key holding alpha, the factor on the projected-back update (Fira calls it ``alpha``).
+    SCALE_KEY: ClassVar[str] = "scale"
+    #: key -> source: a projected group missing `key` takes its `source` key's value.
+    ALIASES: ClassVar[dict[str, str]] = {}
+    #: Allowed values of projected groups' keys.
+    CHOICES: ClassVar[dict[str, tuple[Any, ...]]] = {"proj_type": proj.PROJ_TYPES, "basis": proj.METHODS}
+    #: The only rank the method runs at (APOLLO-Mini: 1), also given to a ``project=True`` group
+    #: without one; None: any rank, required.
+    FIXED_RANK: ClassVar[int | None] = None
+    #: 0-d state tensors a method keeps per projected parameter: key -> dtype (None: the
+    #: parameter's), zeros at first; each costs its itemsize in `state_bytes`.
+    EXTRA_STATE: ClassVar[dict[str, torch.dtype | None]] = {}
+    #: Moment storage (init / update / bytes of ``exp_avg`` and ``exp_avg_sq``).
+    MOMENTS: ClassVar[type[AdamMoments]] = AdamMoments
+    #: Seeded random streams of ``basis="random"`` by the group's ``random_stream`` ("mix" when
+    #: the group has none).
+    RANDOM_STREAMS: ClassVar[dict[str, SeededRandomBasis]] = {"mix": SeededRandomBasis()}
 
     def __init__(
         self,
@@ -202,6 +570,7 @@ class ProjectedAdam(torch.optim.Optimizer):
         weight_decay: float | None = None,
         correct_bias: bool | None = None,
         adam_convention: str | None = None,
+        fused: bool | None = None,
         **options: Any,
     ) -> None:
         given = {
@@ -214,10 +583,10 @@ class ProjectedAdam(torch.optim.Optimizer):
         }
         defaults = {**self.ADAM_DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
         for k in list(options):
-            if k in self.ADAM_DEFAULTS:  # a subclass's own every-group option (8-bit: min_8bit_size)
+            if k in self.ADAM_DEFAULTS:  # a method's own every-group option (8-bit: min_8bit_size)
                 defaults[k] = options.pop(k)
         defaults["betas"] = tuple(defaults["betas"])
-        self._check_adam(defaults)
+        _check_adam(defaults)
         unknown = set(options) - set(self.PROJECTION_DEFAULTS)
         if unknown:
             raise TypeError(
@@ -226,26 +595,26 @@ class ProjectedAdam(torch.optim.Optimizer):
             )
         # Set before super().__init__, which calls add_param_group for every group.
         self._projection_defaults = {**self.PROJECTION_DEFAULTS, **options}
-        self.refresh_count: int = 0
-        self.refresh_seconds: float = 0.0
-        self.failed_refreshes: int = 0
+        self.moments = self.MOMENTS(fused=fused)
+        self.refresh_stats = proj.RefreshStats()
         super().__init__(params, defaults)
 
-    # ------------------------------------------------------------------ groups
+    @property
+    def refresh_count(self) -> int:
+        """Bases computed (or random bases moved to) since construction."""
+        return self.refresh_stats.count
 
-    @staticmethod
-    def _check_adam(g: dict[str, Any]) -> None:
-        if g["lr"] < 0.0:
-            raise ValueError(f"Invalid learning rate: {g['lr']} - should be >= 0.0")
-        b1, b2 = g["betas"]
-        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-            raise ValueError(f"Invalid betas {g['betas']}: each must be in [0.0, 1.0)")
-        if g["eps"] < 0.0:
-            raise ValueError(f"Invalid epsilon value: {g['eps']} - should be >= 0.0")
-        if g["adam_convention"] not in ADAM_CONVENTIONS:
-            raise ValueError(
-                f"adam_convention must be one of {ADAM_CONVENTIONS}, got {g['adam_convention']!r}"
-            )
+    @property
+    def refresh_seconds(self) -> float:
+        """Wall time spent on those refreshes."""
+        return self.refresh_stats.seconds
+
+    @property
+    def failed_refreshes(self) -> int:
+        """Refreshes that kept the previous basis (non-finite gradient, failed decomposition)."""
+        return self.refresh_stats.failed
+
+    # ------------------------------------------------------------------ groups
 
     @classmethod
     def _is_projected(cls, group: dict[str, Any]) -> bool:
@@ -255,7 +624,12 @@ class ProjectedAdam(torch.optim.Optimizer):
 
     @classmethod
     def _fill_projected(cls, group: dict[str, Any], defaults: dict[str, Any]) -> None:
-        """Fills missing projection keys of `group` in place (subclasses may map aliases first)."""
+        """Fills a projected group's missing keys in place: the fixed rank, aliases, defaults."""
+        if group.get("rank") is None and cls.FIXED_RANK is not None:
+            group["rank"] = cls.FIXED_RANK
+        for key, source in cls.ALIASES.items():
+            if key not in group and source in group:
+                group[key] = group[source]
         for k, v in defaults.items():
             group.setdefault(k, v)
 
@@ -279,200 +653,87 @@ class ProjectedAdam(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         group["betas"] = tuple(group["betas"])
-        self._check_adam(group)
+        _check_adam(group)
         group["project"] = self._is_projected(group)
-        if not group["project"]:
-            return
+        if group["project"]:
+            self._fill_projected(group, self._projection_defaults)
+            self._check_projected(group)
+
+    def _check_projected(self, group: dict[str, Any]) -> None:
+        """Checks a projected group's options (the class's data) and that each param is 2-D."""
+        name = type(self).__name__
         if group.get("rank") is None:
             raise ValueError("a group with project=True needs a 'rank'")
-        self._fill_projected(group, self._projection_defaults)
-        self._validate_projected(group)
-
-    def _validate_projected(self, group: dict[str, Any]) -> None:
-        """Checks a projected group's options and that each of its params is a 2-D matrix."""
         if int(group["rank"]) < 1:
             raise ValueError(f"rank must be a positive int, got {group['rank']!r}")
+        if self.FIXED_RANK is not None and int(group["rank"]) != self.FIXED_RANK:
+            raise ValueError(f"{name} is rank {self.FIXED_RANK}, got rank={group['rank']!r}")
         if int(group["update_proj_gap"]) < 1:
             raise ValueError(f"update_proj_gap must be a positive int, got {group['update_proj_gap']!r}")
-        if group["proj_type"] not in proj.PROJ_TYPES:
-            raise ValueError(f"proj_type must be one of {proj.PROJ_TYPES}, got {group['proj_type']!r}")
-        if group["basis"] not in proj.METHODS:
-            raise ValueError(f"basis must be one of {proj.METHODS}, got {group['basis']!r}")
+        choices = {**self.CHOICES, "random_stream": tuple(self.RANDOM_STREAMS)}
+        for key, allowed in choices.items():
+            value = group.get(key, "mix") if key == "random_stream" else group[key]
+            if value not in allowed:
+                raise ValueError(f"{key} must be one of {allowed}, got {value!r}")
         if group["basis"] == "random" and group["proj_type"] == "full":
             raise ValueError("basis='random' does not support proj_type='full'")
+        if float(group[self.SCALE_KEY]) < 0:
+            raise ValueError(f"{self.SCALE_KEY} must be >= 0, got {group[self.SCALE_KEY]!r}")
         for p in group["params"]:
             if p.ndim != 2:
                 raise ValueError(
-                    f"{type(self).__name__}: a group with 'rank' holds a parameter of shape {tuple(p.shape)}; "
+                    f"{name}: a group with 'rank' holds a parameter of shape {tuple(p.shape)}; "
                     "only 2-D weight matrices can be projected. Put biases, norms and embeddings in a "
                     "group without 'rank' (they then get plain AdamW)."
                 )
 
+    @classmethod
+    def _basis_policy(cls, group: dict[str, Any]) -> ComputedBasis | SeededRandomBasis:
+        if group["basis"] != "random":
+            return COMPUTED_BASIS
+        return cls.RANDOM_STREAMS[group.get("random_stream", "mix")]
+
     # ------------------------------------------------------------------ state
 
-    def _side(self, p: torch.Tensor, group: dict[str, Any]) -> str:
+    @staticmethod
+    def _side(p: torch.Tensor, group: dict[str, Any]) -> str:
         return proj.choose_side(tuple(p.shape), group["proj_type"])
 
-    def _param_seed(self, group: dict[str, Any], index: int) -> int:
-        """Seed of the parameter at position `index` (over all groups): mix_seed(group seed, index)."""
-        return proj.mix_seed(int(group["seed"]), index)
-
-    def _init_moments(
-        self, state: dict[str, Any], shape: tuple[int, ...], p: torch.Tensor, group: dict[str, Any]
-    ) -> None:
-        """Allocates ``exp_avg`` / ``exp_avg_sq`` of `shape` (parameter dtype). 8-bit overrides."""
-        state["exp_avg"] = torch.zeros(shape, dtype=p.dtype, device=p.device)
-        state["exp_avg_sq"] = torch.zeros(shape, dtype=p.dtype, device=p.device)
-
-    def _init_extra_state(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
-        """Hook for a subclass's own state keys of a projected param (Fira: residual_norm)."""
-
     def _init_state(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], index: int) -> None:
-        state["step"] = 0
+        state[STEP] = 0
         if not group["project"]:
-            if _is_dtensor(p) and self.SHARDED_DENSE:
-                # FSDP2: sharded like the parameter; AdamW is element-wise, so each rank steps its shard.
-                state["exp_avg"] = torch.zeros_like(p)
-                state["exp_avg_sq"] = torch.zeros_like(p)
-            else:
-                self._init_moments(state, tuple(p.shape), p, group)
+            # FSDP2 with element-wise moments: sharded like the parameter, each rank steps its shard.
+            sharded = _is_dtensor(p) and self.moments.ELEMENTWISE
+            self.moments.init(state, p, None if sharded else tuple(p.shape), group)
             return
         side = self._side(p, group)
-        shape, method = tuple(p.shape), group["basis"]
-        state["refresh"] = 0
-        state["seed"] = self._param_seed(group, index)
-        self._init_moments(state, proj.low_rank_shape(shape, group["rank"], side, method), p, group)
-        if method != "random":
-            # Allocated now (zeros) so a dummy step materialises every key with its final shape.
-            bshape = proj.basis_shape(shape, group["rank"], side, method)
-            state["basis"] = torch.zeros(bshape, dtype=p.dtype, device=p.device)
-        self._init_extra_state(p, group, state)
+        self._basis_policy(group).init_state(state, p, group, side, index)
+        self.moments.init(
+            state, p, proj.low_rank_shape(tuple(p.shape), group["rank"], side, group["basis"]), group
+        )
+        for key, dtype in self.EXTRA_STATE.items():
+            state[key] = torch.zeros((), dtype=dtype or p.dtype, device=p.device)
 
     # ------------------------------------------------------------------ numerics
 
-    def _refresh_due(self, state: dict[str, Any], group: dict[str, Any]) -> bool:
-        return state["refresh"] == 0 or state["step"] % int(group["update_proj_gap"]) == 0
+    def _projected_update(self, s: ProjectedStep) -> tuple[Direction, float]:
+        """The method's update rule: the full-size direction D and a factor alpha.
 
-    def _current_basis(
-        self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
-    ) -> torch.Tensor | None:
-        """The basis P for this step (parameter dtype), refreshing it first when due.
+        Applied as W <- W - eta_t alpha D with the convention's weight decay (`_apply_update`).
+        D may be a factor pair (A, B) standing for D = A B (GaLore: (N, P) on the right side),
+        which is applied by one fused ``addmm_`` with no m x n temporary.
 
-        Returns None only when no basis exists yet and computing the first one failed; the caller
-        then skips the parameter without advancing its counter, so the next step retries.
+        Args:
+            s: this parameter's step: W, G, R, N, P, the side, its state and group.
         """
-        method = group["basis"]
-        due = self._refresh_due(state, group)
-        if not due and method != "random":
-            return state["basis"]  # most steps: nothing else to do
-        side = self._side(p, group)
-        if method == "random":
-            if due:
-                state["refresh"] += 1
-                self.refresh_count += 1
-            basis = proj.random_basis(
-                tuple(p.shape),
-                group["rank"],
-                side,
-                seed=state["seed"],
-                refresh=state["refresh"],
-                device=p.device,
-            )
-            return basis.to(p.dtype)
-        prev = state["basis"] if state["refresh"] > 0 else None
-        stats = proj.RefreshStats()
-        new = proj.compute_basis(
-            grad,
-            group["rank"],
-            side,
-            method,
-            prev,
-            seed=state["seed"],
-            refresh=state["refresh"] + 1,
-            oversample=group["oversample"],
-            power_iters=group["power_iters"],
-            warm_start=group["warm_start"],
-            stats=stats,
-        )
-        self.refresh_seconds += stats.seconds
-        self.failed_refreshes += stats.failed
-        if stats.failed:
-            return prev
-        state["basis"].copy_(new)
-        state["refresh"] += 1
-        self.refresh_count += 1
-        return state["basis"]
+        raise NotImplementedError(f"{type(self).__name__} must define _projected_update")
 
     def _adam(
-        self, x: torch.Tensor, state: dict[str, Any], group: dict[str, Any], reuse_x: bool = False
+        self, x: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
     ) -> tuple[torch.Tensor, float]:
-        """Advances t and the moments (``exp_avg``, ``exp_avg_sq``) with x = R or G; see `_adam_math`."""
-        state["step"] += 1
-        return self._adam_math(
-            state["exp_avg"], state["exp_avg_sq"], x, state["step"], group, out=x if reuse_x else None
-        )
-
-    @staticmethod
-    def _adam_math(
-        m: torch.Tensor,
-        v: torch.Tensor,
-        x: torch.Tensor,
-        t: int,
-        group: dict[str, Any],
-        out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, float]:
-        """Updates M, V in place with x at step t; returns (N, eta_t) per the group's convention.
-
-        M <- beta1 M + (1 - beta1) x;  V <- beta2 V + (1 - beta2) x^2;  then
-        reference: N = M / (sqrt(V) + eps), eta_t = eta sqrt(1 - beta2^t) / (1 - beta1^t);
-        torch:     N = M / (sqrt(V / (1 - beta2^t)) + eps), eta_t = eta / (1 - beta1^t).
-        (Without bias correction both factors are 1.)
-
-        `out`: a buffer shaped like M that may be overwritten (x itself when the caller no longer
-        needs it): N is computed into it with the same operations, so no temporaries are allocated.
-
-        With bias correction on plain contiguous CPU/CUDA tensors of one dtype, torch's fused
-        Adam kernel does all of it in one pass (`_fused_normalised`; N then lands in a new
-        buffer and `out` is unused); the result differs from the op-by-op one by fp32 rounding.
-        """
-        beta1, beta2 = group["betas"]
-        bc1 = 1.0 - beta1**t if group["correct_bias"] else 1.0
-        bc2 = 1.0 - beta2**t if group["correct_bias"] else 1.0
-        if group["correct_bias"] and _fusable(m, v, x):
-            return _fused_normalised(m, v, x, t, group, bc1, bc2)
-        m.mul_(beta1).add_(x, alpha=1.0 - beta1)
-        v.mul_(beta2).addcmul_(x, x, value=1.0 - beta2)
-        denom = torch.sqrt(v, out=out) if out is not None else v.sqrt()
-        if group["adam_convention"] == "torch":
-            denom.div_(math.sqrt(bc2)).add_(group["eps"])
-            step_size = group["lr"] / bc1
-        else:
-            denom.add_(group["eps"])
-            step_size = group["lr"] * math.sqrt(bc2) / bc1
-        return torch.div(m, denom, out=denom), step_size
-
-    def _apply_update(
-        self,
-        p: torch.Tensor,
-        update: torch.Tensor,
-        step_size: float,
-        group: dict[str, Any],
-        alpha: float = 1.0,
-    ) -> None:
-        """W <- W - eta_t alpha D, with decoupled weight decay before (torch) or after (reference)."""
-        self._decay(p, group, before=True)
-        p.add_(update, alpha=-step_size * alpha)
-        self._decay(p, group, before=False)
-
-    @staticmethod
-    def _decay(p: torch.Tensor, group: dict[str, Any], before: bool) -> None:
-        """W <- W (1 - eta lambda) if this is the convention's moment for it (torch: before the update)."""
-        lr, wd = group["lr"], group["weight_decay"]
-        if group["adam_convention"] == "torch":
-            if before and wd != 0.0:
-                p.mul_(1.0 - lr * wd)
-        elif not before and wd > 0.0:
-            p.add_(p, alpha=-lr * wd)  # galore-torch's exact operation
+        """Counts the step (t <- t + 1) and advances the moments with x = R or G: (N, eta_t)."""
+        state[STEP] += 1
+        return self.moments.update(state, x, group)
 
     def _dense_step(
         self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
@@ -481,94 +742,32 @@ class ProjectedAdam(torch.optim.Optimizer):
         norm, step_size = self._adam(grad, state, group)
         self._apply_update(p, norm, step_size, group)
 
-    def _projected_update(
-        self,
-        p: torch.Tensor,
-        grad: torch.Tensor,
-        low: torch.Tensor,
-        norm: torch.Tensor,
-        basis: torch.Tensor,
-        state: dict[str, Any],
-        group: dict[str, Any],
-    ) -> tuple[torch.Tensor, float]:
-        """Subclass hook: the full-size direction D and a factor alpha, with W <- W - eta_t alpha D.
-
-        Args:
-            p: the weight W (m x n).
-            grad: G.
-            low: R = proj(G).
-            norm: N, the Adam-normalised R (see `_adam`).
-            basis: P (parameter dtype).
-            state: the parameter's state.
-            group: its group.
-        """
-        raise NotImplementedError
-
     def _projected_step(
         self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
     ) -> None:
-        basis = self._current_basis(p, grad, state, group)
+        """P from the basis policy, R = proj(G), Adam on R, then the method's update."""
+        side = self._side(p, group)
+        basis = self._basis_policy(group).basis(p, grad, state, group, side, self.refresh_stats)
         if basis is None:
             return
-        side = self._side(p, group)
         low = proj.project(grad, basis, side)
         norm, step_size = self._adam(low, state, group)
-        update, alpha = self._projected_update(p, grad, low, norm, basis, state, group)
+        update, alpha = self._projected_update(ProjectedStep(p, grad, low, norm, basis, side, state, group))
         self._apply_update(p, update, step_size, group, alpha)
 
-    def _back(
-        self, norm: torch.Tensor, basis: torch.Tensor, p: torch.Tensor, group: dict[str, Any]
-    ) -> torch.Tensor:
-        """back(N) for this parameter's side (no scale)."""
-        return proj.project_back(norm, basis, self._side(p, group), m=p.shape[0])
+    @staticmethod
+    def _apply_update(
+        p: torch.Tensor, update: Direction, step_size: float, group: dict[str, Any], alpha: float = 1.0
+    ) -> None:
+        """W <- W - eta_t alpha D, with decoupled weight decay before (torch) or after (reference)."""
+        _decay(p, group, before=True)
+        if isinstance(update, tuple):
+            p.addmm_(update[0], update[1], alpha=-step_size * alpha)
+        else:
+            p.add_(update, alpha=-step_size * alpha)
+        _decay(p, group, before=False)
 
     # ------------------------------------------------------------------ step
-
-    @staticmethod
-    def _nonzero_flags(grads: list[torch.Tensor]) -> list[bool]:
-        """[G != 0 anywhere, for G in grads] with one host synchronisation per device (two when
-        some large gradient's sample is all zero, as in a checkpoint loader's dummy step).
-
-        Uses ||G||_2 != 0 (a fused multi-tensor norm, several times faster than an inf-norm or
-        any() on CPU), first on a strided sample of each large G; inf/nan count as nonzero. A
-        gradient whose every entry is below ~1e-19 (squares underflow in fp32) also reads as
-        zero, which is harmless.
-        """
-        flags: list[bool] = [True] * len(grads)
-        sharded = [g for g in grads if _is_dtensor(g)]
-        if sharded:
-            # FSDP2: a shard may be zero where the whole gradient is not; decide on the whole one,
-            # identically on every rank (the projected step has collectives).
-            import torch.distributed as dist
-
-            norms = torch.stack([n.float() for n in torch._foreach_norm([local(g) for g in grads], ord=2)])
-            nonzero = norms.ne(0).float()
-            dist.all_reduce(nonzero, op=dist.ReduceOp.MAX, group=sharded[0].device_mesh.get_group())
-            return [bool(v) for v in nonzero.tolist()]
-        by_device: dict[torch.device, list[int]] = {}
-        for i, g in enumerate(grads):
-            by_device.setdefault(g.device, []).append(i)
-        for idx in by_device.values():
-            # A strided sample of ~256 entries proves "nonzero" for almost every real gradient of
-            # a large matrix at a fraction of a full pass; only a gradient whose sample is all zero
-            # gets a full norm. Both answers are exact: a nonzero sample entry is a nonzero entry.
-            views = [_sample(grads[i]) for i in idx]
-            if len(views) == 1:  # one norm: no list of results to stack
-                norms = [float(torch.linalg.vector_norm(views[0], dtype=torch.float32))]
-            else:
-                norms = torch.stack(torch._foreach_norm(views, ord=2, dtype=torch.float32)).tolist()
-            unsure = []
-            for i, view, norm in zip(idx, views, norms):
-                flags[i] = norm != 0.0  # nan (an inf/nan entry) counts as nonzero
-                if not flags[i] and view is not grads[i]:
-                    unsure.append(i)
-            if unsure:
-                norms = torch.stack(
-                    torch._foreach_norm([grads[i] for i in unsure], ord=2, dtype=torch.float32)
-                ).tolist()
-                for i, norm in zip(unsure, norms):
-                    flags[i] = norm != 0.0
-        return flags
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -592,7 +791,7 @@ class ProjectedAdam(torch.optim.Optimizer):
                 index += 1
         if not entries:
             return loss
-        live = self._nonzero_flags([p.grad for _, p, _ in entries])
+        live = _nonzero_flags([p.grad for _, p, _ in entries])
         for (group, p, idx), nonzero in zip(entries, live):
             state = self.state[p]
             if not state:
@@ -603,7 +802,7 @@ class ProjectedAdam(torch.optim.Optimizer):
                 (self._projected_step if group["project"] else self._dense_step)(p, p.grad, state, group)
             elif group["project"]:
                 self._whole_step_sharded(p, state, group, self._projected_step)
-            elif not self.SHARDED_DENSE:
+            elif not self.moments.ELEMENTWISE:
                 self._whole_step_sharded(p, state, group, self._dense_step)
             else:
                 self._dense_step(p, p.grad, state, group)
@@ -616,7 +815,7 @@ class ProjectedAdam(torch.optim.Optimizer):
         group: dict[str, Any],
         step_fn: Callable[[torch.Tensor, torch.Tensor, dict[str, Any], dict[str, Any]], None],
     ) -> None:
-        """`step_fn` (the projected step, or the dense one of an 8-bit subclass) of an
+        """`step_fn` (the projected step, or the dense one of non-element-wise moments) of an
         FSDP2-sharded (DTensor) weight, run on the whole matrix.
 
         The basis needs the whole gradient, and Fira's and APOLLO's norms are over the whole
@@ -628,12 +827,12 @@ class ProjectedAdam(torch.optim.Optimizer):
         Cost per projected m x n weight and step, world size N, itemsize s: two all-gathers (G and
         W) of (N - 1)/N m n s bytes received each, and two transient full m x n buffers on every
         rank (freed after the step); the basis computation is repeated on every rank instead of
-        being communicated. Gathering W keeps every subclass's update rule (in-place on W, weight
+        being communicated. Gathering W keeps every method's update rule (in-place on W, weight
         decay included) bitwise identical to a single process.
 
-        Subclasses whose dense moments are not element-wise (8-bit block-wise quantisation:
-        `SHARDED_DENSE` False) step their non-projected weights this way too, so the 8-bit blocks
-        are those of a single process; that state is then whole on every rank as well.
+        Moment storage that is not element-wise (8-bit block-wise quantisation:
+        `AdamMoments.ELEMENTWISE` False) steps its non-projected weights this way too, so the
+        8-bit blocks are those of a single process; that state is then whole on every rank as well.
         """
         weight = whole(p)
         step_fn(weight, whole(p.grad), state, group)
@@ -645,15 +844,15 @@ class ProjectedAdam(torch.optim.Optimizer):
         """torch's load_state_dict, keeping each saved tensor's own dtype.
 
         torch casts every floating-point state tensor to its parameter's dtype on load; our state
-        may hold other dtypes on purpose (8-bit moments, their fp32 scales), so those are put back
-        exactly as saved (moved to the parameter's device).
+        may hold other dtypes on purpose (8-bit moments, their fp32 scales, APOLLO's fp32 norm), so
+        those are put back exactly as saved (moved to the parameter's device).
         """
         params = [p for g in self.param_groups for p in g["params"]]
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         keep: list[tuple[torch.Tensor, str, torch.Tensor]] = []
         for pid, p in zip(saved_ids, params):
             for k, v in state_dict["state"].get(pid, {}).items():
-                if torch.is_tensor(v) and k != "step" and v.dtype != p.dtype:
+                if torch.is_tensor(v) and k != STEP and v.dtype != p.dtype:
                     keep.append((p, k, v))
         super().load_state_dict(state_dict)
         for p, k, v in keep:
@@ -662,21 +861,11 @@ class ProjectedAdam(torch.optim.Optimizer):
     # ------------------------------------------------------------------ memory
 
     @classmethod
-    def _moment_bytes(cls, numel: int, dtype: torch.dtype, group: dict[str, Any]) -> int:
-        """Bytes of exp_avg + exp_avg_sq holding `numel` entries each: 2 numel s (s = itemsize)."""
-        return 2 * numel * itemsize(dtype)
-
-    @classmethod
-    def _extra_state_bytes(cls, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
-        """Bytes of a subclass's own state keys for a projected param (0 here)."""
-        return 0
-
-    @classmethod
     def state_bytes(cls, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
         """Exact bytes of tensor state for one parameter after >= 1 step (python ints cost 0).
 
         With s the itemsize of `dtype`, k = min(r, m, n) (k = r for the random method) and the
-        side from `proj_type` (std: right if m >= n else left):
+        side from `proj_type` (std: right if m >= n else left), for the default moment storage:
 
         * not projected (no ``rank``): 2 s prod(shape)                       (M, V)
         * right side:  2 s m k + s k n     (M, V are m x k; P is k x n)
@@ -684,7 +873,8 @@ class ProjectedAdam(torch.optim.Optimizer):
         * full:        2 s k^2 + s k (m + n)
         * basis "random": the P term is 0 (regenerated, never stored).
 
-        Subclasses add their own terms (see their docstrings).
+        plus the itemsize of each `EXTRA_STATE` scalar; `MOMENTS` may replace the moments' term
+        (see the methods' docstrings).
 
         Args:
             shape: the parameter's shape.
@@ -692,17 +882,31 @@ class ProjectedAdam(torch.optim.Optimizer):
             dtype: the parameter's dtype.
         """
         g = cls.resolve_group(group)
-        numel = math.prod(shape)
+        shape = tuple(shape)
         if not g["project"]:
-            return cls._moment_bytes(numel, dtype, g)
-        side = proj.choose_side(tuple(shape), g["proj_type"])
-        low = proj.low_rank_shape(tuple(shape), int(g["rank"]), side, g["basis"])
-        total = cls._moment_bytes(math.prod(low), dtype, g)
-        if g["basis"] != "random":
-            total += math.prod(proj.basis_shape(tuple(shape), int(g["rank"]), side, g["basis"])) * itemsize(
-                dtype
-            )
-        return total + cls._extra_state_bytes(tuple(shape), g, dtype)
+            return cls.MOMENTS.nbytes(math.prod(shape), dtype, g)
+        side = proj.choose_side(shape, g["proj_type"])
+        low = proj.low_rank_shape(shape, int(g["rank"]), side, g["basis"])
+        extra = sum((dt or dtype).itemsize for dt in cls.EXTRA_STATE.values())
+        basis = cls._basis_policy(g).nbytes(shape, g, side, dtype)
+        return cls.MOMENTS.nbytes(math.prod(low), dtype, g) + basis + extra
 
 
-__all__ = ["ADAM_CONVENTIONS", "ProjectedAdam", "itemsize"]
+__all__ = [
+    "ADAM_CONVENTIONS",
+    "BASIS",
+    "EXP_AVG",
+    "EXP_AVG_SQ",
+    "REFRESH",
+    "SEED",
+    "STEP",
+    "AdamMoments",
+    "ComputedBasis",
+    "Direction",
+    "ProjectedAdam",
+    "ProjectedStep",
+    "SeededRandomBasis",
+    "adam_update",
+    "fusable",
+    "refresh_due",
+]
