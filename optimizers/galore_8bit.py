@@ -125,7 +125,8 @@ class BlockwiseMoments8bit(AdamMoments):
 class GaLoreAdamW8bit(GaLoreAdamW):
     """GaLore-AdamW whose Adam moments are stored in 8 bits (Dettmers et al. 2022 blockwise quantisation).
 
-    The update rule is `GaLoreAdamW`'s; only the storage of M and V changes. Each step a moment
+    The update rule is `GaLoreAdamW`'s; only the storage of M and V changes (`MOMENTS` is
+    `BlockwiseMoments8bit`). Each step a moment
     is dequantised to fp32, updated, and requantised:
 
         M = dequant(M_q, a_M),  V = dequant(V_q, a_V)   (a: per-block absmax, blocks of 256 entries)

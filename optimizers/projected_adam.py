@@ -88,7 +88,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 import torch
 
@@ -112,7 +112,7 @@ REFRESH = "refresh"
 SEED = "seed"
 """The parameter's own seed (int), from the group's ``seed`` and its position."""
 
-Direction = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+Direction = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 """D, a full-size tensor, or a factor pair (A, B) standing for D = A B."""
 
 
