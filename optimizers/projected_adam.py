@@ -88,7 +88,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -298,6 +298,29 @@ class AdamMoments:
 def refresh_due(state: dict[str, Any], group: dict[str, Any]) -> bool:
     """Whether this step starts with a new basis: none yet, or t % T == 0 on the pre-increment t."""
     return state[REFRESH] == 0 or state[STEP] % int(group["update_proj_gap"]) == 0
+
+
+class BasisPolicy(Protocol):
+    """When and how a projected parameter's basis P changes (`ComputedBasis`, `SeededRandomBasis`)."""
+
+    def init_state(
+        self, state: dict[str, Any], p: torch.Tensor, group: dict[str, Any], side: str, index: int
+    ) -> None:
+        """Sets the policy's state keys (``refresh``, ``seed``, ...) for the param at `index`."""
+
+    def basis(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        side: str,
+        stats: proj.RefreshStats,
+    ) -> torch.Tensor | None:
+        """P for this step (refreshed first when due), or None to skip the param this step."""
+
+    def nbytes(self, shape: tuple[int, ...], group: dict[str, Any], side: str, dtype: torch.dtype) -> int:
+        """Bytes of the policy's state tensors."""
 
 
 class ComputedBasis:
@@ -688,7 +711,7 @@ class ProjectedAdam(torch.optim.Optimizer):
                 )
 
     @classmethod
-    def _basis_policy(cls, group: dict[str, Any]) -> ComputedBasis | SeededRandomBasis:
+    def _basis_policy(cls, group: dict[str, Any]) -> BasisPolicy:
         if group["basis"] != "random":
             return COMPUTED_BASIS
         return cls.RANDOM_STREAMS[group.get("random_stream", "mix")]
@@ -901,6 +924,7 @@ __all__ = [
     "SEED",
     "STEP",
     "AdamMoments",
+    "BasisPolicy",
     "ComputedBasis",
     "Direction",
     "ProjectedAdam",
