@@ -114,7 +114,8 @@ class APOLLOAdamW(ProjectedAdam):
     * ``"apollo_torch"``: apollo-torch's stream, bit for bit: the parameter at position i
       (1-based over all groups) starts from seed ``group seed + i`` and each refresh after the
       first advances it with `apollo_torch_next_seed`; the current one is kept in state as
-      ``proj_seed``. Draws use a generator on the parameter's device, as apollo-torch does.
+      ``proj_seed`` (`ApolloTorchStream`). Draws use a generator on the parameter's device, as
+      apollo-torch does.
 
     Param groups use apollo-torch's keys: a group with ``rank`` (r) is projected; ``proj``
     ("random" | "svd", an alias of our ``basis``; default "random"), ``scale_type`` ("channel" |
