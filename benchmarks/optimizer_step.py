@@ -114,6 +114,97 @@ def state_bytes_of(opt: torch.optim.Optimizer) -> int:
     return total
 
 
+def time_steps(
+    make: Callable[[str], tuple[torch.nn.Parameter, torch.optim.Optimizer]],
+    numel: int,
+    args: argparse.Namespace,
+    device: torch.device,
+) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, int]]:
+    """Times both optimizers' refresh steps and plain steps, alternately; returns the samples of
+    each (by kind, "ours" / "ref") and the state bytes each holds after them."""
+    # Both optimizers live side by side and are timed alternately, step by step, so that load
+    # from other processes on a shared machine hits both alike; medians are reported.
+    refresh_step: dict[str, list[float]] = {"ours": [], "ref": []}
+    plain_step: dict[str, list[float]] = {"ours": [], "ref": []}
+    state: dict[str, int] = {}
+    # Untimed warm-up of both (first-call costs: allocator, BLAS/LAPACK workspaces, lazy imports).
+    warm = {kind: make(kind) for kind in ("ours", "ref")}
+    for _ in range(2):
+        for _, opt in warm.values():
+            opt.step()
+    del warm
+    # A 60M-size step takes milliseconds: many samples there make the medians steady on a shared
+    # machine; a 1B-size step takes a second or more on a CPU.
+    steps = args.steps if args.steps is not None else (50 if numel <= 1 << 20 else 5)
+    # Which one runs first alternates from round to round: the second of a pair finds caches
+    # warmed by the first (the same G), which would otherwise favour one side throughout.
+    orders = (("ours", "ref"), ("ref", "ours"))
+    for rep in range(args.reps):
+        pair = {kind: make(kind) for kind in orders[rep % 2]}
+        for kind in orders[rep % 2]:
+            refresh_step[kind].append(timed(pair[kind][1].step, device))
+        for i in range(steps):
+            for kind in orders[(rep + i) % 2]:
+                plain_step[kind].append(timed(pair[kind][1].step, device))
+        state = {kind: state_bytes_of(opt) for kind, (_, opt) in pair.items()}
+        del pair
+    return refresh_step, plain_step, state
+
+
+def time_refreshes(
+    grad: torch.Tensor, rank: int, side: str, ours_kw: dict, args: argparse.Namespace, device: torch.device
+) -> tuple[dict[str, list[float]], dict[str, torch.Tensor]]:
+    """Times the basis computation alone, ours (randomized_svd, cold start) against galore-torch's
+    projector (the exact top-r basis), alternately; returns the samples and the last bases."""
+    m, n = grad.shape
+    refresh: dict[str, list[float]] = {"ours": [], "ref": []}
+    bases = {}
+    ref_projector = importlib.import_module("galore_torch.galore_projector").GaLoreProjector(
+        rank, proj_type="std"
+    )
+    # A basis computation of a 60M-size matrix takes milliseconds: time it more often there.
+    refresh_reps = args.reps if m * n > 1 << 20 else max(args.reps, 15)
+    compute = {
+        "ours": lambda rep: proj.compute_basis(
+            grad, rank, side, "randomized_svd", seed=rep, refresh=1, **ours_kw
+        ),
+        "ref": lambda rep: ref_projector.get_orthogonal_matrix(grad, rank, side),  # the exact top-r basis
+    }
+    orders = (("ours", "ref"), ("ref", "ours"))
+    for rep in range(-1, refresh_reps):  # rep -1 is an untimed warm-up
+        for kind in orders[rep % 2]:
+            t0 = time.perf_counter()
+            bases[kind] = compute[kind](rep)
+            sync(device)
+            refresh[kind].append(time.perf_counter() - t0)
+        if rep < 0:
+            refresh = {"ours": [], "ref": []}
+    return refresh, bases
+
+
+def warm_start(
+    grad: torch.Tensor, rank: int, side: str, ours_kw: dict, args: argparse.Namespace, device: torch.device
+) -> tuple[float, list[float]]:
+    """The energy share a warm-started randomized_svd basis captures and its timing samples."""
+    m, n = grad.shape
+    g2 = float(grad.norm() ** 2)
+    # A later refresh starts from the previous basis: model the gradient one period earlier as
+    # this one plus an independent part of half its size, and warm-start from its basis.
+    earlier = grad + 0.5 * decaying_gradient(m, n, args.decay, seed=m * 7 + n + 1, device=device)
+    prev = proj.compute_basis(earlier, rank, side, "randomized_svd", seed=0, refresh=1, **ours_kw)
+    warm = proj.compute_basis(grad, rank, side, "randomized_svd", prev, seed=0, refresh=2, **ours_kw)
+    e_warm = float(proj.project(grad, warm, side).norm() ** 2) / g2
+    # Its cost: the sketch reuses the previous basis, so only p columns need a product with G.
+    refresh_reps = args.reps if m * n > 1 << 20 else max(args.reps, 15)
+    warm_times = []
+    for rep in range(refresh_reps):
+        t0 = time.perf_counter()
+        proj.compute_basis(grad, rank, side, "randomized_svd", prev, seed=rep, refresh=2, **ours_kw)
+        sync(device)
+        warm_times.append(time.perf_counter() - t0)
+    return e_warm, warm_times
+
+
 def bench_shape(
     shape: tuple[int, int], rank: int, args: argparse.Namespace, ref_cls: type, device: torch.device
 ) -> dict[str, float]:
@@ -130,73 +221,14 @@ def bench_shape(
             return w, GaLoreAdamW([{"params": [w], **group, **ours_kw}], lr=1e-3)
         return w, ref_cls([{"params": [w], **group}], lr=1e-3, no_deprecation_warning=True)
 
-    # Both optimizers live side by side and are timed alternately, step by step, so that load
-    # from other processes on a shared machine hits both alike; medians are reported.
-    refresh_step = {"ours": [], "ref": []}
-    plain_step = {"ours": [], "ref": []}
-    state = {}
-    # Untimed warm-up of both (first-call costs: allocator, BLAS/LAPACK workspaces, lazy imports).
-    warm = {kind: make(kind) for kind in ("ours", "ref")}
-    for _ in range(2):
-        for _, opt in warm.values():
-            opt.step()
-    del warm
-    # A 60M-size step takes milliseconds: many samples there make the medians steady on a shared
-    # machine; a 1B-size step takes a second or more on a CPU.
-    steps = args.steps if args.steps is not None else (50 if m * n <= 1 << 20 else 5)
-    # Which one runs first alternates from round to round: the second of a pair finds caches
-    # warmed by the first (the same G), which would otherwise favour one side throughout.
-    orders = (("ours", "ref"), ("ref", "ours"))
-    for rep in range(args.reps):
-        pair = {kind: make(kind) for kind in orders[rep % 2]}
-        for kind in orders[rep % 2]:
-            refresh_step[kind].append(timed(pair[kind][1].step, device))
-        for i in range(steps):
-            for kind in orders[(rep + i) % 2]:
-                plain_step[kind].append(timed(pair[kind][1].step, device))
-        state = {kind: state_bytes_of(opt) for kind, (_, opt) in pair.items()}
-        del pair
-
+    refresh_step, plain_step, state = time_steps(make, m * n, args, device)
     side = proj.choose_side(shape, "std")
-    refresh = {"ours": [], "ref": []}
-    bases = {}
-    ref_projector = importlib.import_module("galore_torch.galore_projector").GaLoreProjector(
-        rank, proj_type="std"
-    )
-    # A basis computation of a 60M-size matrix takes milliseconds: time it more often there.
-    refresh_reps = args.reps if m * n > 1 << 20 else max(args.reps, 15)
-    compute = {
-        "ours": lambda rep: proj.compute_basis(
-            grad, rank, side, "randomized_svd", seed=rep, refresh=1, **ours_kw
-        ),
-        "ref": lambda rep: ref_projector.get_orthogonal_matrix(grad, rank, side),  # the exact top-r basis
-    }
-    for rep in range(-1, refresh_reps):  # rep -1 is an untimed warm-up
-        for kind in orders[rep % 2]:
-            t0 = time.perf_counter()
-            bases[kind] = compute[kind](rep)
-            sync(device)
-            refresh[kind].append(time.perf_counter() - t0)
-        if rep < 0:
-            refresh = {"ours": [], "ref": []}
-
+    refresh, bases = time_refreshes(grad, rank, side, ours_kw, args, device)
     approx, exact = bases["ours"], bases["ref"]
     g2 = float(grad.norm() ** 2)
     e_exact = float(proj.project(grad, exact, side).norm() ** 2) / g2
     e_ours = float(proj.project(grad, approx, side).norm() ** 2) / g2
-    # A later refresh starts from the previous basis: model the gradient one period earlier as
-    # this one plus an independent part of half its size, and warm-start from its basis.
-    earlier = grad + 0.5 * decaying_gradient(m, n, args.decay, seed=m * 7 + n + 1, device=device)
-    prev = proj.compute_basis(earlier, rank, side, "randomized_svd", seed=0, refresh=1, **ours_kw)
-    warm = proj.compute_basis(grad, rank, side, "randomized_svd", prev, seed=0, refresh=2, **ours_kw)
-    e_warm = float(proj.project(grad, warm, side).norm() ** 2) / g2
-    # Its cost: the sketch reuses the previous basis, so only p columns need a product with G.
-    warm_times = []
-    for rep in range(refresh_reps):
-        t0 = time.perf_counter()
-        proj.compute_basis(grad, rank, side, "randomized_svd", prev, seed=rep, refresh=2, **ours_kw)
-        sync(device)
-        warm_times.append(time.perf_counter() - t0)
+    e_warm, warm_times = warm_start(grad, rank, side, ours_kw, args, device)
 
     med = statistics.median
     amort = {

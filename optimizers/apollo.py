@@ -10,18 +10,36 @@ integers every step, so it is never stored.
 from __future__ import annotations
 
 import math
-import time
 from typing import Any, ClassVar
 
 import torch
 
 from optimizers import projection as proj
-from optimizers.base import ProjectedAdam
+from optimizers.projected_adam import (
+    REFRESH,
+    SEED,
+    STEP,
+    Direction,
+    ProjectedAdam,
+    ProjectedStep,
+    SeededRandomBasis,
+)
 
-__all__ = ["APOLLOAdamW", "APOLLOMini", "apollo_torch_next_seed"]
+__all__ = [
+    "PROJ_SEED",
+    "SCALED_GRAD_NORM",
+    "APOLLOAdamW",
+    "APOLLOMini",
+    "ApolloTorchStream",
+    "apollo_torch_next_seed",
+]
 
 SCALE_TYPES: tuple[str, ...] = ("channel", "tensor")
-RANDOM_STREAMS: tuple[str, ...] = ("mix", "apollo_torch")
+
+SCALED_GRAD_NORM = "scaled_grad_norm"
+"""State key of ||D_{t-1}||, the previous (limited) update's norm (fp32, 0-d)."""
+PROJ_SEED = "proj_seed"
+"""State key of the current seed in apollo-torch's chain (int; ``random_stream="apollo_torch"`` only)."""
 
 # apollo-torch advances a parameter's seed by taking the 15th int64 draw of a CPU generator.
 _APOLLO_SEED_ADVANCE = 15
@@ -37,6 +55,32 @@ def apollo_torch_next_seed(seed: int) -> int:
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
     draws = torch.randint(0, torch.iinfo(torch.int64).max, (_APOLLO_SEED_ADVANCE,), generator=gen)
     return int(draws[-1])
+
+
+class ApolloTorchStream(SeededRandomBasis):
+    """apollo-torch's random stream, bit for bit (``random_stream="apollo_torch"``).
+
+    The parameter at position i (0-based over all groups) starts from seed ``group seed + i + 1``
+    (apollo-torch numbers parameters from 1 and seeds each with its number); each refresh after
+    the first advances the seed with `apollo_torch_next_seed`, and basis k is drawn from the
+    current seed itself, kept in state as ``proj_seed``.
+    """
+
+    def param_seed(self, group: dict[str, Any], index: int) -> int:
+        return int(group["seed"]) + index + 1
+
+    def init_state(
+        self, state: dict[str, Any], p: torch.Tensor, group: dict[str, Any], side: str, index: int
+    ) -> None:
+        super().init_state(state, p, group, side, index)
+        state[PROJ_SEED] = state[SEED]
+
+    def advance(self, state: dict[str, Any]) -> None:
+        if state[REFRESH] > 0:
+            state[PROJ_SEED] = apollo_torch_next_seed(state[PROJ_SEED])
+
+    def generator_seed(self, state: dict[str, Any]) -> int:
+        return state[PROJ_SEED]
 
 
 class APOLLOAdamW(ProjectedAdam):
@@ -70,7 +114,8 @@ class APOLLOAdamW(ProjectedAdam):
     * ``"apollo_torch"``: apollo-torch's stream, bit for bit: the parameter at position i
       (1-based over all groups) starts from seed ``group seed + i`` and each refresh after the
       first advances it with `apollo_torch_next_seed`; the current one is kept in state as
-      ``proj_seed``. Draws use a generator on the parameter's device, as apollo-torch does.
+      ``proj_seed`` (`ApolloTorchStream`). Draws use a generator on the parameter's device, as
+      apollo-torch does.
 
     Param groups use apollo-torch's keys: a group with ``rank`` (r) is projected; ``proj``
     ("random" | "svd", an alias of our ``basis``; default "random"), ``scale_type`` ("channel" |
@@ -107,6 +152,21 @@ class APOLLOAdamW(ProjectedAdam):
         "norm_growth_limit": 1.01,
         "random_stream": "mix",
     }
+    # apollo-torch names the projection method ``proj``; ours is ``basis``.
+    ALIASES: ClassVar[dict[str, str]] = {"basis": "proj"}
+    # No "full": the scaling is per channel of a one-sided R.
+    CHOICES: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **ProjectedAdam.CHOICES,
+        "proj_type": tuple(t for t in proj.PROJ_TYPES if t != "full"),
+        "scale_type": SCALE_TYPES,
+    }
+    # fp32 whatever the param dtype: the limiter compares successive norms, and a bf16 norm
+    # would make the 1% growth bound coarse (bf16 resolves ~0.8%).
+    EXTRA_STATE: ClassVar[dict[str, torch.dtype | None]] = {SCALED_GRAD_NORM: torch.float32}
+    RANDOM_STREAMS: ClassVar[dict[str, SeededRandomBasis]] = {
+        **ProjectedAdam.RANDOM_STREAMS,
+        "apollo_torch": ApolloTorchStream(),
+    }
 
     def __init__(
         self,
@@ -135,113 +195,31 @@ class APOLLOAdamW(ProjectedAdam):
             **projection_defaults,
         )
 
-    # ------------------------------------------------------------------ groups
-
-    @classmethod
-    def _fill_projected(cls, group: dict[str, Any], defaults: dict[str, Any]) -> None:
-        # apollo-torch names the projection method ``proj``; ours is ``basis``.
-        if "proj" in group and "basis" not in group:
-            group["basis"] = group["proj"]
-        super()._fill_projected(group, defaults)
-
-    def _validate_projected(self, group: dict[str, Any]) -> None:
-        super()._validate_projected(group)
-        if group["proj_type"] == "full":
-            raise ValueError(
-                f"{type(self).__name__} does not support proj_type='full' (its scaling is per channel)"
-            )
-        if group["scale_type"] not in SCALE_TYPES:
-            raise ValueError(f"scale_type must be one of {SCALE_TYPES}, got {group['scale_type']!r}")
-        if group["random_stream"] not in RANDOM_STREAMS:
-            raise ValueError(f"random_stream must be one of {RANDOM_STREAMS}, got {group['random_stream']!r}")
-        if float(group["scale"]) < 0:
-            raise ValueError(f"scale must be >= 0, got {group['scale']!r}")
-
-    # ------------------------------------------------------------------ state
-
-    def _param_seed(self, group: dict[str, Any], index: int) -> int:
-        if group["random_stream"] == "apollo_torch":
-            # apollo-torch numbers parameters from 1 over all groups and seeds each with its number.
-            return int(group["seed"]) + index + 1
-        return super()._param_seed(group, index)
-
-    def _init_extra_state(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
-        # fp32 whatever the param dtype: the limiter compares successive norms, and a bf16 norm
-        # would make the 1% growth bound coarse (bf16 resolves ~0.8%).
-        state["scaled_grad_norm"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        if group["random_stream"] == "apollo_torch":
-            state["proj_seed"] = state["seed"]
-
-    @classmethod
-    def _extra_state_bytes(cls, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
-        """``scaled_grad_norm``: one fp32 scalar, 4 bytes (ints cost nothing)."""
-        return 4
-
-    # ------------------------------------------------------------------ numerics
-
-    def _random_basis(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> torch.Tensor:
-        """The current Gaussian projection (N(0, 1/r) entries) in the parameter dtype."""
-        side, rank = self._side(p, group), int(group["rank"])
-        shape = tuple(p.shape)
-        if group["random_stream"] == "apollo_torch":
-            gen = torch.Generator(device=p.device).manual_seed(state["proj_seed"])
-            bshape = proj.basis_shape(shape, rank, side, "random")
-            basis = torch.randn(bshape, generator=gen, device=p.device, dtype=torch.float32) / math.sqrt(rank)
-        else:
-            basis = proj.random_basis(
-                shape, rank, side, seed=state["seed"], refresh=state["refresh"], device=p.device
-            )
-        return basis.to(p.dtype)
-
-    def _current_basis(
-        self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
-    ) -> torch.Tensor | None:
-        """Random projections are regenerated every step; a refresh only moves to the next one."""
-        if group["basis"] != "random":
-            return super()._current_basis(p, grad, state, group)
-        due = self._refresh_due(state, group)
-        t0 = time.perf_counter()
-        if due:
-            if group["random_stream"] == "apollo_torch" and state["refresh"] > 0:
-                state["proj_seed"] = apollo_torch_next_seed(state["proj_seed"])
-            state["refresh"] += 1
-            self.refresh_count += 1
-        basis = self._random_basis(p, state, group)
-        if due:
-            self.refresh_seconds += time.perf_counter() - t0
-        return basis
-
-    def _projected_update(
-        self,
-        p: torch.Tensor,
-        grad: torch.Tensor,
-        low: torch.Tensor,
-        norm: torch.Tensor,
-        basis: torch.Tensor,
-        state: dict[str, Any],
-        group: dict[str, Any],
-    ) -> tuple[torch.Tensor, float]:
+    def _projected_update(self, s: ProjectedStep) -> tuple[Direction, float]:
+        """D = G s (channel- or tensor-wise s), limited; alpha = sqrt(scale) unless applied in front."""
+        group = s.group
         if group["scale_type"] == "channel":
             # The rank axis of R: columns of the m x r R (right side), rows of the r x n R (left).
-            rank_dim = 1 if self._side(p, group) == "right" else 0
-            factor = torch.linalg.vector_norm(norm, dim=rank_dim, keepdim=True) / (
-                torch.linalg.vector_norm(low, dim=rank_dim, keepdim=True) + 1e-8
+            rank_dim = 1 if s.side == "right" else 0
+            factor = torch.linalg.vector_norm(s.norm, dim=rank_dim, keepdim=True) / (
+                torch.linalg.vector_norm(s.low, dim=rank_dim, keepdim=True) + 1e-8
             )
         else:
-            factor = torch.linalg.vector_norm(norm) / (torch.linalg.vector_norm(low) + 1e-8)
-        update = grad * factor
+            factor = torch.linalg.vector_norm(s.norm) / (torch.linalg.vector_norm(s.low) + 1e-8)
+        update = s.grad * factor
         root_scale = math.sqrt(float(group["scale"]))
         if group["scale_front"]:
             update.mul_(root_scale)
         gamma = group["norm_growth_limit"]
         if gamma:
             upd_norm = torch.linalg.vector_norm(update, dtype=torch.float32)
-            if state["step"] > 1:
+            previous = s.state[SCALED_GRAD_NORM]
+            if s.state[STEP] > 1:
                 # limiter = max(||D_t|| / ||D_{t-1}||, gamma) / gamma >= 1, on device (no host sync).
-                limiter = torch.clamp(upd_norm / (state["scaled_grad_norm"] + 1e-8), min=gamma) / gamma
+                limiter = torch.clamp(upd_norm / (previous + 1e-8), min=gamma) / gamma
                 update.div_(limiter.to(update.dtype))
                 upd_norm = upd_norm / limiter
-            state["scaled_grad_norm"].copy_(upd_norm)
+            previous.copy_(upd_norm)
         return update, (1.0 if group["scale_front"] else root_scale)
 
 
@@ -264,23 +242,4 @@ class APOLLOMini(APOLLOAdamW):
         "scale_type": "tensor",
         "scale": 128.0,
     }
-
-    @classmethod
-    def _fill_projected(cls, group: dict[str, Any], defaults: dict[str, Any]) -> None:
-        if group.get("rank") is None:
-            group["rank"] = 1
-        super()._fill_projected(group, defaults)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """As `ProjectedAdam`, with ``rank`` defaulting to 1 for a group marked ``project=True``."""
-        if param_group.get("project") and param_group.get("rank") is None:
-            param_group = {**param_group, "rank": 1}
-        super().add_param_group(param_group)
-
-    def _validate_projected(self, group: dict[str, Any]) -> None:
-        super()._validate_projected(group)
-        if int(group["rank"]) != 1:
-            raise ValueError(
-                f"APOLLOMini is rank 1, got rank={group['rank']!r}; "
-                "use APOLLOAdamW with scale_type='tensor' for a higher rank"
-            )
+    FIXED_RANK: ClassVar[int | None] = 1

@@ -6,7 +6,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from optimizers.base import ProjectedAdam, itemsize
+from optimizers import projection as proj
+from optimizers.projected_adam import STEP, Direction, ProjectedAdam, ProjectedStep
+
+RESIDUAL_NORM = "residual_norm"
+"""State key of ||S_{t-1}||, the previous (limited) residual's norm (a 0-d tensor)."""
 
 
 class FiraAdamW(ProjectedAdam):
@@ -47,56 +51,37 @@ class FiraAdamW(ProjectedAdam):
         "exact_residual": False,
     }
     SCALE_KEY: ClassVar[str] = "alpha"
+    # A galore-format group (``scale``) drops in: its scale is Fira's alpha.
+    ALIASES: ClassVar[dict[str, str]] = {"alpha": "scale"}
+    # No "full": Fira's scaling phi is per row or per column of a one-sided R.
+    CHOICES: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **ProjectedAdam.CHOICES,
+        "proj_type": tuple(t for t in proj.PROJ_TYPES if t != "full"),
+    }
+    # ||S_{t-1}|| in the parameter dtype, like fira's ``scaling_grad``.
+    EXTRA_STATE: ClassVar[dict[str, torch.dtype | None]] = {RESIDUAL_NORM: None}
 
-    @classmethod
-    def _fill_projected(cls, group: dict[str, Any], defaults: dict[str, Any]) -> None:
-        # A galore-format group (``scale``) drops in: its scale is Fira's alpha.
-        if "alpha" not in group and "scale" in group:
-            group["alpha"] = group["scale"]
-        super()._fill_projected(group, defaults)
-
-    def _validate_projected(self, group: dict[str, Any]) -> None:
-        super()._validate_projected(group)
-        if group["proj_type"] == "full":
-            raise ValueError("FiraAdamW does not support proj_type='full' (its scaling is per row or column)")
-
-    def _init_extra_state(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
-        state["residual_norm"] = torch.zeros((), dtype=p.dtype, device=p.device)
-
-    @classmethod
-    def _extra_state_bytes(cls, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
-        """``residual_norm``: one scalar of the parameter dtype, s bytes."""
-        return itemsize(dtype)
-
-    def _projected_update(
-        self,
-        p: torch.Tensor,
-        grad: torch.Tensor,
-        low: torch.Tensor,
-        norm: torch.Tensor,
-        basis: torch.Tensor,
-        state: dict[str, Any],
-        group: dict[str, Any],
-    ) -> tuple[torch.Tensor, float]:
-        alpha = float(group["alpha"])
+    def _projected_update(self, s: ProjectedStep) -> tuple[Direction, float]:
+        """alpha back(N) + S, the limited residual (see the class docstring)."""
+        alpha = float(s.group["alpha"])
         # The rank axis of R: dim 1 when R is m x r (per-row phi), dim 0 when R is r x n (per column).
-        dim = 0 if norm.shape[0] < norm.shape[1] else 1
-        phi = torch.linalg.vector_norm(norm, dim=dim) / (torch.linalg.vector_norm(low, dim=dim) + 1e-8)
+        dim = 0 if s.norm.shape[0] < s.norm.shape[1] else 1
+        phi = torch.linalg.vector_norm(s.norm, dim=dim) / (torch.linalg.vector_norm(s.low, dim=dim) + 1e-8)
         if dim == 1:
             phi = phi.unsqueeze(1)
-        back_r = self._back(low, basis, p, group)
-        residual = grad - back_r if group["exact_residual"] else grad - back_r * alpha
+        back_r = s.back(s.low)
+        residual = s.grad - back_r if s.group["exact_residual"] else s.grad - back_r * alpha
         residual.mul_(phi)
-        gamma = group["norm_growth_limit"]
+        gamma = s.group["norm_growth_limit"]
         res_norm = torch.linalg.vector_norm(residual)
-        if gamma and state["step"] > 1:
+        previous = s.state[RESIDUAL_NORM]
+        if gamma and s.state[STEP] > 1:
             # limiter = max(||S_t|| / ||S_{t-1}||, gamma) / gamma >= 1, computed on device (no sync).
-            limiter = torch.clamp(res_norm / (state["residual_norm"] + 1e-8), min=gamma) / gamma
+            limiter = torch.clamp(res_norm / (previous + 1e-8), min=gamma) / gamma
             residual.div_(limiter)
             res_norm = res_norm / limiter
-        state["residual_norm"].copy_(res_norm)
-        update = self._back(norm, basis, p, group)
-        return update.mul_(alpha).add_(residual), 1.0
+        previous.copy_(res_norm)
+        return s.back(s.norm).mul_(alpha).add_(residual), 1.0
 
 
-__all__ = ["FiraAdamW"]
+__all__ = ["RESIDUAL_NORM", "FiraAdamW"]

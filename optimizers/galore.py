@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-
-from optimizers import projection as proj
-from optimizers.base import ProjectedAdam
+from optimizers.projected_adam import Direction, ProjectedAdam, ProjectedStep
 
 
 class GaLoreAdamW(ProjectedAdam):
@@ -40,37 +35,16 @@ class GaLoreAdamW(ProjectedAdam):
     non-projected 2 s m n (see `ProjectedAdam.state_bytes`).
     """
 
-    def _projected_step(
-        self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
-    ) -> None:
-        side = self._side(p, group)
-        if side == "full":
-            super()._projected_step(p, grad, state, group)
-            return
-        basis = self._current_basis(p, grad, state, group)
-        if basis is None:
-            return
-        # R is needed only inside Adam: the op-by-op path may write N into its buffer.
-        norm, step_size = self._adam(proj.project(grad, basis, side), state, group, reuse_x=True)
-        # W <- W - eta_t alpha back(N) as one fused addmm_: no m x n temporary for back(N).
-        self._decay(p, group, before=True)
-        left, right = (norm, basis) if side == "right" else (basis, norm)
-        p.addmm_(left, right, alpha=-step_size * float(group[self.SCALE_KEY]))
-        self._decay(p, group, before=False)
-
-    def _projected_update(
-        self,
-        p: torch.Tensor,
-        grad: torch.Tensor,
-        low: torch.Tensor,
-        norm: torch.Tensor,
-        basis: torch.Tensor,
-        state: dict[str, Any],
-        group: dict[str, Any],
-    ) -> tuple[torch.Tensor, float]:
-        # Used for proj_type "full". alpha folds into the step's scalar factor: one fewer m x n
-        # temporary than back(N) * alpha.
-        return self._back(norm, basis, p, group), float(group[self.SCALE_KEY])
+    def _projected_update(self, s: ProjectedStep) -> tuple[Direction, float]:
+        """alpha back(N). On one side back(N) = N P or P N is returned as that factor pair, so that
+        it is applied as one fused addmm_ into W with no m x n temporary; alpha folds into the
+        step's scalar factor."""
+        alpha = float(s.group["scale"])
+        if s.side == "right":
+            return (s.norm, s.basis), alpha
+        if s.side == "left":
+            return (s.basis, s.norm), alpha
+        return s.back(s.norm), alpha
 
 
 __all__ = ["GaLoreAdamW"]

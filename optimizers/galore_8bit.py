@@ -7,11 +7,16 @@ from typing import Any, ClassVar
 
 import torch
 
-from optimizers.base import ProjectedAdam, itemsize
 from optimizers.galore import GaLoreAdamW
+from optimizers.projected_adam import EXP_AVG, EXP_AVG_SQ, STEP, AdamMoments, ProjectedAdam, adam_update
 
 BLOCKSIZE = 256
 """Entries per quantisation block (bitsandbytes' 8-bit optimizers use 256)."""
+
+EXP_AVG_ABSMAX = f"{EXP_AVG}_absmax"
+"""State key of M's per-block absmax scales (fp32)."""
+EXP_AVG_SQ_ABSMAX = f"{EXP_AVG_SQ}_absmax"
+"""State key of V's per-block absmax scales (fp32)."""
 
 
 def _bnb_functional() -> Any:
@@ -25,10 +30,103 @@ def _bnb_functional() -> Any:
     return bnb_f
 
 
+class BlockwiseMoments8bit(AdamMoments):
+    """Moment storage in 8 bits: bitsandbytes' dynamic tree quantisation, per-block absmax.
+
+    Each step a moment is dequantised to fp32, advanced by `adam_update`, and requantised:
+
+        M = dequant(M_q, a_M),  V = dequant(V_q, a_V)   (a: per-block absmax, blocks of 256 entries)
+        M <- beta1 M + (1 - beta1) x,  V <- beta2 V + (1 - beta2) x^2   (fp32)
+        M_q, a_M = quant(M; signed dynamic map),  V_q, a_V = quant(V; unsigned dynamic map)
+
+    A moment with fewer than ``min_8bit_size`` entries stays fp32 (as in bitsandbytes). State:
+    ``exp_avg`` / ``exp_avg_sq`` (uint8) with ``exp_avg_absmax`` / ``exp_avg_sq_absmax`` (fp32,
+    ceil(L / 256) each), or the two fp32 moments. The blocks are not element-wise, so under FSDP2
+    dense weights step whole.
+
+    Raises:
+        ImportError: at construction, when bitsandbytes cannot be imported.
+    """
+
+    ELEMENTWISE: ClassVar[bool] = False
+
+    def __init__(self, fused: bool | None = None) -> None:
+        super().__init__(fused)
+        self._bnb = _bnb_functional()
+        self._qmaps: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _maps(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """bitsandbytes' signed (for M) and unsigned (for V) dynamic maps on `device`, cached."""
+        if device not in self._qmaps:
+            self._qmaps[device] = (
+                self._bnb.create_dynamic_map(signed=True).to(device),
+                self._bnb.create_dynamic_map(signed=False).to(device),
+            )
+        return self._qmaps[device]
+
+    @staticmethod
+    def _is_8bit(numel: int, group: dict[str, Any]) -> bool:
+        return numel >= int(group["min_8bit_size"])
+
+    def init(
+        self, state: dict[str, Any], p: torch.Tensor, shape: tuple[int, ...] | None, group: dict[str, Any]
+    ) -> None:
+        shape = tuple(p.shape) if shape is None else shape
+        numel = math.prod(shape)
+        if not self._is_8bit(numel, group):
+            state[EXP_AVG] = torch.zeros(shape, dtype=torch.float32, device=p.device)
+            state[EXP_AVG_SQ] = torch.zeros(shape, dtype=torch.float32, device=p.device)
+            return
+        blocks = -(-numel // BLOCKSIZE)
+        q_signed, q_unsigned = self._maps(p.device)
+        # Zero moments quantise to the code nearest 0 with absmax 0: dequantise to exactly 0.
+        zero = torch.zeros(shape, dtype=torch.float32, device=p.device)
+        for key, absmax, qmap in (
+            (EXP_AVG, EXP_AVG_ABSMAX, q_signed),
+            (EXP_AVG_SQ, EXP_AVG_SQ_ABSMAX, q_unsigned),
+        ):
+            q, qs = self._bnb.quantize_blockwise(zero, code=qmap, blocksize=BLOCKSIZE)
+            state[key] = q
+            state[absmax] = qs.absmax.reshape(blocks).to(torch.float32)
+
+    def update(
+        self, state: dict[str, Any], x: torch.Tensor, group: dict[str, Any]
+    ) -> tuple[torch.Tensor, float]:
+        m_q, v_q = state[EXP_AVG], state[EXP_AVG_SQ]
+        x32 = x.float()
+        if m_q.dtype != torch.uint8:
+            norm, step_size = adam_update(m_q, v_q, x32, state[STEP], group, self.fused)
+            return norm.to(x.dtype), step_size
+        q_signed, q_unsigned = self._maps(x.device)
+        m = self._bnb.dequantize_blockwise(
+            m_q, absmax=state[EXP_AVG_ABSMAX], code=q_signed, blocksize=BLOCKSIZE
+        )
+        v = self._bnb.dequantize_blockwise(
+            v_q, absmax=state[EXP_AVG_SQ_ABSMAX], code=q_unsigned, blocksize=BLOCKSIZE
+        )
+        norm, step_size = adam_update(m, v, x32, state[STEP], group, self.fused)
+        for key, absmax, val, qmap in (
+            (EXP_AVG, EXP_AVG_ABSMAX, m, q_signed),
+            (EXP_AVG_SQ, EXP_AVG_SQ_ABSMAX, v, q_unsigned),
+        ):
+            q, qs = self._bnb.quantize_blockwise(val, code=qmap, blocksize=BLOCKSIZE)
+            state[key].copy_(q)
+            state[absmax].copy_(qs.absmax.reshape(-1))
+        return norm.to(x.dtype), step_size
+
+    @classmethod
+    def nbytes(cls, numel: int, dtype: torch.dtype, group: dict[str, Any]) -> int:
+        """2 L + 8 ceil(L / 256) for 8-bit moments (uint8 + fp32 absmax), 8 L when L < min_8bit_size."""
+        if not cls._is_8bit(numel, group):
+            return 2 * numel * torch.float32.itemsize
+        return 2 * numel + 2 * (-(-numel // BLOCKSIZE)) * torch.float32.itemsize
+
+
 class GaLoreAdamW8bit(GaLoreAdamW):
     """GaLore-AdamW whose Adam moments are stored in 8 bits (Dettmers et al. 2022 blockwise quantisation).
 
-    The update rule is `GaLoreAdamW`'s; only the storage of M and V changes. Each step a moment
+    The update rule is `GaLoreAdamW`'s; only the storage of M and V changes (`MOMENTS` is
+    `BlockwiseMoments8bit`). Each step a moment
     is dequantised to fp32, updated, and requantised:
 
         M = dequant(M_q, a_M),  V = dequant(V_q, a_V)   (a: per-block absmax, blocks of 256 entries)
@@ -70,75 +168,7 @@ class GaLoreAdamW8bit(GaLoreAdamW):
         "adam_convention": "torch",
         "min_8bit_size": 4096,
     }
-
-    def __init__(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        self._bnb = _bnb_functional()
-        self._qmaps: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        super().__init__(params, *args, **kwargs)
-
-    def _maps(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """bitsandbytes' signed (for M) and unsigned (for V) dynamic maps on `device`, cached."""
-        if device not in self._qmaps:
-            self._qmaps[device] = (
-                self._bnb.create_dynamic_map(signed=True).to(device),
-                self._bnb.create_dynamic_map(signed=False).to(device),
-            )
-        return self._qmaps[device]
-
-    @staticmethod
-    def _is_8bit(numel: int, group: dict[str, Any]) -> bool:
-        return numel >= int(group["min_8bit_size"])
-
-    # Block-wise quantised moments are not element-wise: under FSDP2 dense weights step whole.
-    SHARDED_DENSE: ClassVar[bool] = False
-
-    def _init_moments(
-        self, state: dict[str, Any], shape: tuple[int, ...], p: torch.Tensor, group: dict[str, Any]
-    ) -> None:
-        numel = math.prod(shape)
-        if not self._is_8bit(numel, group):
-            state["exp_avg"] = torch.zeros(shape, dtype=torch.float32, device=p.device)
-            state["exp_avg_sq"] = torch.zeros(shape, dtype=torch.float32, device=p.device)
-            return
-        blocks = -(-numel // BLOCKSIZE)
-        q_signed, q_unsigned = self._maps(p.device)
-        # Zero moments quantise to the code nearest 0 with absmax 0: dequantise to exactly 0.
-        zero = torch.zeros(shape, dtype=torch.float32, device=p.device)
-        for key, qmap in (("exp_avg", q_signed), ("exp_avg_sq", q_unsigned)):
-            q, qs = self._bnb.quantize_blockwise(zero, code=qmap, blocksize=BLOCKSIZE)
-            state[key] = q
-            state[f"{key}_absmax"] = qs.absmax.reshape(blocks).to(torch.float32)
-
-    def _adam(
-        self, x: torch.Tensor, state: dict[str, Any], group: dict[str, Any], reuse_x: bool = False
-    ) -> tuple[torch.Tensor, float]:
-        # reuse_x is a hint only: the 8-bit path works on dequantised fp32 copies anyway.
-        state["step"] += 1
-        m_q, v_q = state["exp_avg"], state["exp_avg_sq"]
-        x32 = x.float()
-        if m_q.dtype != torch.uint8:
-            norm, step_size = self._adam_math(m_q, v_q, x32, state["step"], group)
-            return norm.to(x.dtype), step_size
-        q_signed, q_unsigned = self._maps(x.device)
-        m = self._bnb.dequantize_blockwise(
-            m_q, absmax=state["exp_avg_absmax"], code=q_signed, blocksize=BLOCKSIZE
-        )
-        v = self._bnb.dequantize_blockwise(
-            v_q, absmax=state["exp_avg_sq_absmax"], code=q_unsigned, blocksize=BLOCKSIZE
-        )
-        norm, step_size = self._adam_math(m, v, x32, state["step"], group)
-        for key, val, qmap in (("exp_avg", m, q_signed), ("exp_avg_sq", v, q_unsigned)):
-            q, qs = self._bnb.quantize_blockwise(val, code=qmap, blocksize=BLOCKSIZE)
-            state[key].copy_(q)
-            state[f"{key}_absmax"].copy_(qs.absmax.reshape(-1))
-        return norm.to(x.dtype), step_size
-
-    @classmethod
-    def _moment_bytes(cls, numel: int, dtype: torch.dtype, group: dict[str, Any]) -> int:
-        """2 L + 8 ceil(L / 256) for 8-bit moments (uint8 + fp32 absmax), 8 L when L < min_8bit_size."""
-        if not cls._is_8bit(numel, group):
-            return 2 * numel * itemsize(torch.float32)
-        return 2 * numel + 2 * (-(-numel // BLOCKSIZE)) * itemsize(torch.float32)
+    MOMENTS: ClassVar[type[AdamMoments]] = BlockwiseMoments8bit
 
 
-__all__ = ["BLOCKSIZE", "GaLoreAdamW8bit"]
+__all__ = ["BLOCKSIZE", "EXP_AVG_ABSMAX", "EXP_AVG_SQ_ABSMAX", "BlockwiseMoments8bit", "GaLoreAdamW8bit"]

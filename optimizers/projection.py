@@ -369,6 +369,38 @@ def randomized_svd_basis(
     raise ValueError(f"side must be 'left', 'right' or 'full', got {side!r}")
 
 
+def gaussian_basis(
+    shape: tuple[int, ...],
+    rank: int,
+    side: str,
+    generator_seed: int,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """A Gaussian projection with N(0, 1/r) entries drawn from a generator seeded with `generator_seed`.
+
+    The one drawing code path of every seeded random basis: `random_basis` (the (seed, refresh)
+    stream) and the optimizers' random-basis policies (which may chain their own seeds, as
+    apollo-torch's stream does) all end here.
+
+    Args:
+        shape: (m, n) of the gradient.
+        rank: r (not clamped: a JL map may have any width).
+        side: "right" (r x n) or "left" (m x r); "full" is not defined for random maps.
+        generator_seed: seed of the ``torch.Generator`` on `device`.
+        device: where to draw (the stream depends on the device type).
+        dtype: dtype of the draw (fp32 by default, then cast by the caller).
+    """
+    if side == "full":
+        raise ValueError(
+            "random projection supports side 'left' or 'right' only (proj_type 'full' is not defined)"
+        )
+    gen = torch.Generator(device=device).manual_seed(int(generator_seed))
+    bshape = basis_shape(shape, rank, side, "random")
+    return torch.randn(bshape, generator=gen, device=device, dtype=dtype) / math.sqrt(rank)
+
+
 def random_basis(
     shape: tuple[int, ...],
     rank: int,
@@ -381,22 +413,19 @@ def random_basis(
 ) -> torch.Tensor:
     """APOLLO's Gaussian projection, entries N(0, 1/r), regenerated from (seed, refresh).
 
+    Basis k of a parameter with seed s is `gaussian_basis` drawn from ``mix_seed(s, k)``: independent
+    of how many bases came before, reproducible from two integers.
+
     Args:
         shape: (m, n) of the gradient.
         rank: r (not clamped: a JL map may have any width).
         side: "right" (r x n) or "left" (m x r); "full" is not defined for random maps.
         seed: the parameter's seed.
-        refresh: k, the refresh count; basis k is drawn from ``mix_seed(seed, k)``.
+        refresh: k, the refresh count.
         device: where to draw (the stream depends on the device type).
         dtype: dtype of the draw (fp32 by default, then cast by the caller).
     """
-    if side == "full":
-        raise ValueError(
-            "random projection supports side 'left' or 'right' only (proj_type 'full' is not defined)"
-        )
-    gen = torch.Generator(device=device).manual_seed(mix_seed(seed, refresh))
-    bshape = basis_shape(shape, rank, side, "random")
-    return torch.randn(bshape, generator=gen, device=device, dtype=dtype) / math.sqrt(rank)
+    return gaussian_basis(shape, rank, side, mix_seed(seed, refresh), device=device, dtype=dtype)
 
 
 def identity_basis(
@@ -515,6 +544,7 @@ __all__ = [
     "compute_basis",
     "effective_rank",
     "failed_refreshes",
+    "gaussian_basis",
     "identity_basis",
     "low_rank_shape",
     "mix_seed",

@@ -1,0 +1,936 @@
+"""`ProjectedAdam`: Adam on a projected gradient, the shared base of GaLore, Fira and APOLLO.
+
+It owns everything that is not the method's own update rule: param-group parsing and
+eligibility, defaults, the basis policy and its refresh schedule, the (low-rank) Adam moments,
+the AdamW convention, zero-gradient dummy steps, exact resume, telemetry and the state-memory
+formula. A method writes one hook, `ProjectedAdam._projected_update`, that turns the low-rank Adam
+output into the full-size update direction (GaLore: alpha back(N); Fira: + the scaled residual;
+APOLLO: the channel-scaled raw gradient); everything else it declares as data.
+
+Public, stable API (other modules build on it):
+
+* Param groups are torch's. A group that has ``rank`` (galore-torch / apollo-torch / fira format:
+  ``rank``, ``update_proj_gap``, ``proj_type``, ``scale`` (Fira: ``alpha``)) is projected; any other
+  group runs plain AdamW. At construction each group gets ``group["project"] = True/False`` and
+  every missing key is filled from the defaults; step() never changes ``param_groups``.
+* Projected-group keys and defaults (`ProjectedAdam.PROJECTION_DEFAULTS`): ``rank`` (r, required),
+  ``update_proj_gap`` (T, 200), ``proj_type`` ("std"), ``scale`` (alpha, 1.0), ``basis``
+  ("randomized_svd" | "svd" | "random" | "identity"), ``oversample`` (p), ``power_iters`` (q),
+  ``warm_start`` (True), ``seed`` (0); ``random_stream`` ("mix") where the method has more than
+  one seeded random stream (APOLLO). Every group also has ``lr`` (eta, 1e-3), ``betas``
+  (beta1, beta2 = 0.9, 0.999), ``eps`` (epsilon, 1e-6), ``weight_decay`` (lambda, 0.0),
+  ``correct_bias`` (True) and ``adam_convention`` ("reference" | "torch", see below).
+* State per parameter (tensors and python numbers only; torch's key names, the module constants
+  `STEP`, `EXP_AVG`, `EXP_AVG_SQ`, `BASIS`, `REFRESH`, `SEED`): ``step`` (int t), ``exp_avg`` /
+  ``exp_avg_sq`` (M, V: low-rank shape for projected params, the parameter's shape otherwise;
+  parameter dtype), and for projected params ``basis`` (P, parameter dtype, absent for the
+  "random" method which is regenerated), ``refresh`` (int k, bases computed so far) and ``seed``
+  (int). Methods add keys (`ProjectedAdam.EXTRA_STATE`: Fira's ``residual_norm``).
+* Telemetry: ``refresh_count`` (int), ``refresh_seconds`` (float), ``failed_refreshes`` (int),
+  cumulative since construction (not saved in the state dict).
+* ``state_bytes(shape, group, dtype)`` classmethod: exact bytes of tensor state after >= 1 step;
+  works on a plain dict group (missing keys take the defaults; projected iff it has ``rank``).
+* ``resolve_group(group)`` classmethod: a plain dict group with ``project`` and defaults filled.
+* ``fused`` constructor option (as torch.optim.AdamW's): None uses torch's fused Adam kernel
+  wherever it applies, True requires it (an error where it cannot run), False never uses it.
+
+What a method supplies (GaLore, Fira and APOLLO are each one file of this):
+
+* ``_projected_update(s: ProjectedStep) -> (D, alpha)``: the one required hook. D is the
+  full-size direction, applied as W <- W - eta_t alpha D (plus weight decay); D may also be a
+  factor pair (A, B) standing for D = A B, applied by one fused ``addmm_`` with no m x n temporary.
+* Data, as class attributes (extend by copying): ``PROJECTION_DEFAULTS`` and ``ADAM_DEFAULTS``
+  (keys and defaults), ``SCALE_KEY`` (the key holding alpha), ``ALIASES`` (a key that takes
+  another key's value when missing: Fira's ``alpha`` <- ``scale``), ``CHOICES`` (allowed values per
+  key), ``FIXED_RANK`` (APOLLO-Mini's 1), ``EXTRA_STATE`` (0-d state tensors by key and dtype).
+* Moment storage, ``MOMENTS``: an `AdamMoments` class (init / update / nbytes). The default keeps
+  M and V in the parameter dtype and advances them with `adam_update`; GaLore-8bit swaps in
+  block-quantised storage.
+* Basis policy: `ComputedBasis` (the SVD family and the identity: recomputed from G when due and
+  stored) or, for ``basis="random"``, a `SeededRandomBasis` from ``RANDOM_STREAMS`` (regenerated
+  from integers every step, never stored; APOLLO adds apollo-torch's seed chain).
+
+Schedule (galore-torch's): on a parameter's own pre-increment counter t, the basis is recomputed
+when t % T == 0 (so on steps 1, T + 1, 2T + 1, ... counting from 1) or when none exists yet.
+Moments are kept across refreshes (standard GaLore). A refresh that fails (non-finite gradient
+or a failed decomposition, see `projection.compute_basis`) keeps the previous basis until the
+next scheduled refresh; when there is no previous basis yet the parameter is skipped for that
+step without advancing t, so the next step retries. randomized_svd bases are warm-started from
+the previous basis and their random sketch is drawn from (state ``seed``, refresh k), so runs and
+resumed runs are bitwise reproducible.
+
+Adam conventions (``adam_convention``):
+
+* "reference" (default; galore-torch, fira and apollo-torch, i.e. the old transformers AdamW):
+  M <- beta1 M + (1 - beta1) R;  V <- beta2 V + (1 - beta2) R^2;  N = M / (sqrt(V) + eps);
+  W <- W - eta_t D(N);  then W <- W - eta lambda W;  with eta_t = eta sqrt(1 - beta2^t) / (1 - beta1^t).
+* "torch" (torch.optim.AdamW): W <- W (1 - eta lambda) first; N = M / (sqrt(V / (1 - beta2^t)) + eps),
+  eta_t = eta / (1 - beta1^t). The two differ only in where eps enters and in the (second-order)
+  order of weight decay; with the identity basis "torch" reproduces torch.optim.AdamW.
+
+A parameter whose gradient is entirely zero in a step (distributed checkpoint loaders step once on
+zero gradients to materialise state) gets its state allocated (zeros) but is otherwise skipped: no
+basis is computed, its counter t does not advance, the weight is not touched. The check costs one
+host synchronisation per step for all parameters together.
+
+FSDP2 (parameters and gradients are DTensors sharded across ranks): non-projected parameters
+run AdamW on their local shards (moments sharded like the parameter) when the moment storage is
+element-wise. A projected parameter's step runs on the whole matrix: every rank all-gathers the
+full gradient and weight, computes the same basis and update as a single process would (Fira's
+and APOLLO's norms over the whole matrix), and keeps its own shard; see
+`ProjectedAdam._whole_step_sharded` for the memory and communication cost. Its projected state is
+replicated on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from optimizers import projection as proj
+from optimizers._sharded import is_dtensor as _is_dtensor
+from optimizers._sharded import local, whole, write_whole_
+
+ADAM_CONVENTIONS: tuple[str, ...] = ("reference", "torch")
+
+# State keys (torch's names where torch has one).
+STEP = "step"
+"""t, the parameter's own Adam step count (int)."""
+EXP_AVG = "exp_avg"
+"""M, Adam's first moment."""
+EXP_AVG_SQ = "exp_avg_sq"
+"""V, Adam's second moment."""
+BASIS = "basis"
+"""P, the stored projection basis (absent for regenerated random bases)."""
+REFRESH = "refresh"
+"""k, bases computed (or random bases drawn) so far (int)."""
+SEED = "seed"
+"""The parameter's own seed (int), from the group's ``seed`` and its position."""
+
+Direction = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+"""D, a full-size tensor, or a factor pair (A, B) standing for D = A B."""
+
+
+# ---------------------------------------------------------------------- the Adam kernel
+
+_FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_HAS_FUSED_ADAM = hasattr(torch, "_fused_adam_")  # torch.optim.Adam(fused=True)'s kernel
+
+
+def fusable(m: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether torch's fused Adam kernel can advance these moments: plain (not DTensor or other
+    subclass), contiguous tensors of one float dtype and shape on one CPU or CUDA device."""
+    return (
+        _HAS_FUSED_ADAM
+        and type(m) is type(v) is type(x) is torch.Tensor
+        and m.dtype == v.dtype == x.dtype in _FUSED_DTYPES
+        and x.device.type in ("cpu", "cuda")  # the kernel itself refuses tensors on two devices
+        and m.shape == x.shape
+        and x.is_contiguous()  # the kernel reads memory in order: it needs contiguous tensors
+        and m.is_contiguous()
+        and v.is_contiguous()
+    )
+
+
+def adam_update(
+    m: torch.Tensor,
+    v: torch.Tensor,
+    x: torch.Tensor,
+    t: int,
+    group: dict[str, Any],
+    fused: bool | None = None,
+) -> tuple[torch.Tensor, float]:
+    """One Adam step of the moments: updates M, V in place with x at step t; returns (N, eta_t).
+
+    M <- beta1 M + (1 - beta1) x;  V <- beta2 V + (1 - beta2) x^2;  then, per the group's
+    ``adam_convention``,
+    reference: N = M / (sqrt(V) + eps), eta_t = eta sqrt(1 - beta2^t) / (1 - beta1^t);
+    torch:     N = M / (sqrt(V / (1 - beta2^t)) + eps), eta_t = eta / (1 - beta1^t).
+    (Without bias correction both factors are 1.)
+
+    The fast path is torch's fused Adam kernel (`_fused_normalised`), one pass instead of seven
+    element-wise ones; it needs bias correction and `fusable` tensors. The op-by-op path
+    (`_unfused_normalised`) computes the same quantities; the two differ by fp32 rounding only.
+
+    Args:
+        m: M, updated in place.
+        v: V, updated in place.
+        x: R (projected) or G (dense), shaped like M.
+        t: the step count after this step (>= 1).
+        group: the param group (``betas``, ``eps``, ``lr``, ``correct_bias``, ``adam_convention``).
+        fused: None takes the fused path wherever it applies; True requires it (ValueError where
+            it cannot run); False takes the op-by-op path.
+    """
+    beta1, beta2 = group["betas"]
+    bc1 = 1.0 - beta1**t if group["correct_bias"] else 1.0
+    bc2 = 1.0 - beta2**t if group["correct_bias"] else 1.0
+    can_fuse = group["correct_bias"] and fusable(m, v, x)
+    if fused and not can_fuse:
+        raise ValueError(
+            "fused Adam needs bias correction and plain contiguous CPU/CUDA tensors of one float "
+            f"dtype (got {type(x).__name__} {x.dtype} on {x.device}, correct_bias={group['correct_bias']})"
+        )
+    if can_fuse if fused is None else fused:
+        return _fused_normalised(m, v, x, t, group, bc1, bc2)
+    return _unfused_normalised(m, v, x, group, bc1, bc2)
+
+
+def _unfused_normalised(
+    m: torch.Tensor, v: torch.Tensor, x: torch.Tensor, group: dict[str, Any], bc1: float, bc2: float
+) -> tuple[torch.Tensor, float]:
+    """`adam_update` op by op (any tensors, DTensor shards included); N is written over the
+    buffer of sqrt(V), so only one temporary is allocated."""
+    beta1, beta2 = group["betas"]
+    m.mul_(beta1).add_(x, alpha=1.0 - beta1)
+    v.mul_(beta2).addcmul_(x, x, value=1.0 - beta2)
+    denom = v.sqrt()
+    if group["adam_convention"] == "torch":
+        denom.div_(math.sqrt(bc2)).add_(group["eps"])
+        step_size = group["lr"] / bc1
+    else:
+        denom.add_(group["eps"])
+        step_size = group["lr"] * math.sqrt(bc2) / bc1
+    return torch.div(m, denom, out=denom), step_size
+
+
+def _fused_normalised(
+    m: torch.Tensor, v: torch.Tensor, x: torch.Tensor, t: int, group: dict[str, Any], bc1: float, bc2: float
+) -> tuple[torch.Tensor, float]:
+    """`adam_update` (bias-corrected) in one pass of torch's fused Adam kernel.
+
+    The kernel updates M and V as Adam does and then a "parameter" P by
+    P <- P - (lr / bc1) M / (sqrt(V) / sqrt(bc2) + eps'). Starting from P = 0 with
+    lr = -bc1 / sqrt(bc2) and eps' = eps / sqrt(bc2) leaves P = M / (sqrt(V) + eps) (the
+    reference convention's N); lr = -bc1 and eps' = eps leave the torch convention's N. Three
+    dispatches (zeros, the step count, the kernel) instead of seven element-wise passes; this
+    matters for small low-rank moments, whose step is dominated by per-operation overhead.
+    """
+    beta1, beta2 = group["betas"]
+    norm = torch.zeros_like(m)
+    steps = torch.full((), float(t), dtype=torch.float32, device=m.device)
+    if group["adam_convention"] == "torch":
+        lr, eps, step_size = -bc1, group["eps"], group["lr"] / bc1
+    else:
+        root = math.sqrt(bc2)
+        lr, eps, step_size = -bc1 / root, group["eps"] / root, group["lr"] * root / bc1
+    torch._fused_adam_(
+        [norm], [x], [m], [v], [], [steps],
+        lr=lr, beta1=beta1, beta2=beta2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
+    )  # fmt: skip
+    return norm, step_size
+
+
+def _decay(p: torch.Tensor, group: dict[str, Any], before: bool) -> None:
+    """W <- W (1 - eta lambda) if this is the convention's moment for it (torch: before the update)."""
+    lr, wd = group["lr"], group["weight_decay"]
+    if group["adam_convention"] == "torch":
+        if before and wd != 0.0:
+            p.mul_(1.0 - lr * wd)
+    elif not before and wd > 0.0:
+        p.add_(p, alpha=-lr * wd)  # galore-torch's exact operation
+
+
+def _check_adam(g: dict[str, Any]) -> None:
+    if g["lr"] < 0.0:
+        raise ValueError(f"Invalid learning rate: {g['lr']} - should be >= 0.0")
+    b1, b2 = g["betas"]
+    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+        raise ValueError(f"Invalid betas {g['betas']}: each must be in [0.0, 1.0)")
+    if g["eps"] < 0.0:
+        raise ValueError(f"Invalid epsilon value: {g['eps']} - should be >= 0.0")
+    if g["adam_convention"] not in ADAM_CONVENTIONS:
+        raise ValueError(f"adam_convention must be one of {ADAM_CONVENTIONS}, got {g['adam_convention']!r}")
+
+
+# ---------------------------------------------------------------------- moment storage
+
+
+class AdamMoments:
+    """Moment storage: where a parameter's M and V live and how one Adam step advances them.
+
+    This one keeps ``exp_avg`` and ``exp_avg_sq`` in the parameter dtype (2 s L bytes for L
+    entries each, s the itemsize) and advances them with `adam_update`. A method with another
+    storage (GaLore-8bit's quantised blocks) subclasses it and names its class in
+    `ProjectedAdam.MOMENTS`.
+
+    Args:
+        fused: `adam_update`'s ``fused`` (None: the fused kernel wherever it applies).
+    """
+
+    ELEMENTWISE: ClassVar[bool] = True
+    """Under FSDP2, non-projected weights step shard by shard (element-wise moments). Storage
+    whose moments are not element-wise sets False: such weights then step on the whole tensor."""
+
+    def __init__(self, fused: bool | None = None) -> None:
+        self.fused = fused
+
+    def init(
+        self, state: dict[str, Any], p: torch.Tensor, shape: tuple[int, ...] | None, group: dict[str, Any]
+    ) -> None:
+        """Allocates zero M and V of `shape`, or, for None, shaped like `p` itself (an FSDP2 shard
+        stays a shard)."""
+        for key in (EXP_AVG, EXP_AVG_SQ):
+            if shape is None:
+                state[key] = torch.zeros_like(p)
+            else:
+                state[key] = torch.zeros(shape, dtype=p.dtype, device=p.device)
+
+    def update(
+        self, state: dict[str, Any], x: torch.Tensor, group: dict[str, Any]
+    ) -> tuple[torch.Tensor, float]:
+        """Advances M and V with x at step ``state[STEP]`` (already counted); returns (N, eta_t)."""
+        return adam_update(state[EXP_AVG], state[EXP_AVG_SQ], x, state[STEP], group, self.fused)
+
+    @classmethod
+    def nbytes(cls, numel: int, dtype: torch.dtype, group: dict[str, Any]) -> int:
+        """Bytes of M and V holding `numel` entries each: 2 numel s (s = itemsize)."""
+        return 2 * numel * dtype.itemsize
+
+
+# ---------------------------------------------------------------------- basis policies
+
+
+def refresh_due(state: dict[str, Any], group: dict[str, Any]) -> bool:
+    """Whether this step starts with a new basis: none yet, or t % T == 0 on the pre-increment t."""
+    return state[REFRESH] == 0 or state[STEP] % int(group["update_proj_gap"]) == 0
+
+
+class BasisPolicy(Protocol):
+    """When and how a projected parameter's basis P changes (`ComputedBasis`, `SeededRandomBasis`)."""
+
+    def init_state(
+        self, state: dict[str, Any], p: torch.Tensor, group: dict[str, Any], side: str, index: int
+    ) -> None:
+        """Sets the policy's state keys (``refresh``, ``seed``, ...) for the param at `index`."""
+
+    def basis(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        side: str,
+        stats: proj.RefreshStats,
+    ) -> torch.Tensor | None:
+        """P for this step (refreshed first when due), or None to skip the param this step."""
+
+    def nbytes(self, shape: tuple[int, ...], group: dict[str, Any], side: str, dtype: torch.dtype) -> int:
+        """Bytes of the policy's state tensors."""
+
+
+class ComputedBasis:
+    """Basis policy of the SVD family and the identity: P is recomputed from G when due and stored.
+
+    State: ``basis`` (P, parameter dtype; s prod(basis_shape) bytes), ``refresh`` (k), ``seed``
+    (mix_seed(group seed, parameter index): randomized_svd's sketch k is drawn from
+    mix_seed(seed, k) and warm-started from the previous P).
+    """
+
+    def init_state(
+        self, state: dict[str, Any], p: torch.Tensor, group: dict[str, Any], side: str, index: int
+    ) -> None:
+        state[REFRESH] = 0
+        state[SEED] = proj.mix_seed(int(group["seed"]), index)
+        # Allocated now (zeros) so a dummy step materialises every key with its final shape.
+        bshape = proj.basis_shape(tuple(p.shape), group["rank"], side, group["basis"])
+        state[BASIS] = torch.zeros(bshape, dtype=p.dtype, device=p.device)
+
+    def basis(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        side: str,
+        stats: proj.RefreshStats,
+    ) -> torch.Tensor | None:
+        """P for this step (parameter dtype), recomputed first when due (counted in `stats`).
+
+        Returns None only when no basis exists yet and computing the first one failed; the caller
+        then skips the parameter without advancing its counter, so the next step retries.
+        """
+        if not refresh_due(state, group):
+            return state[BASIS]  # most steps: nothing else to do
+        prev = state[BASIS] if state[REFRESH] > 0 else None
+        failed = stats.failed
+        new = proj.compute_basis(
+            grad,
+            group["rank"],
+            side,
+            group["basis"],
+            prev,
+            seed=state[SEED],
+            refresh=state[REFRESH] + 1,
+            oversample=group["oversample"],
+            power_iters=group["power_iters"],
+            warm_start=group["warm_start"],
+            stats=stats,
+        )
+        if stats.failed > failed:
+            return prev
+        state[BASIS].copy_(new)
+        state[REFRESH] += 1
+        return state[BASIS]
+
+    def nbytes(self, shape: tuple[int, ...], group: dict[str, Any], side: str, dtype: torch.dtype) -> int:
+        """s prod(basis_shape): k n (right), m k (left) or k (m + n) (full) entries."""
+        return math.prod(proj.basis_shape(shape, int(group["rank"]), side, group["basis"])) * dtype.itemsize
+
+
+class SeededRandomBasis:
+    """Basis policy of ``basis="random"`` (APOLLO, PAPER.md 2.5): a Gaussian P with N(0, 1/r)
+    entries, regenerated every step from integers and never stored (0 bytes).
+
+    On a due refresh the stream moves to its next basis (`advance`) and k is counted; every step
+    then draws P with `projection.gaussian_basis` from `generator_seed`. This stream ("mix"):
+    the parameter's seed is mix_seed(group seed, index) and basis k is drawn from
+    mix_seed(seed, k) (`projection.random_basis`), independent of how many came before. Other
+    streams (apollo-torch's seed chain) override `param_seed`, `advance` and `generator_seed`.
+    """
+
+    def param_seed(self, group: dict[str, Any], index: int) -> int:
+        """Seed of the parameter at position `index` (over all groups)."""
+        return proj.mix_seed(int(group["seed"]), index)
+
+    def advance(self, state: dict[str, Any]) -> None:
+        """Moves the stream to its next basis, before ``refresh`` counts it (nothing to do here)."""
+
+    def generator_seed(self, state: dict[str, Any]) -> int:
+        """Seed of the generator that draws the current basis."""
+        return proj.mix_seed(state[SEED], state[REFRESH])
+
+    def init_state(
+        self, state: dict[str, Any], p: torch.Tensor, group: dict[str, Any], side: str, index: int
+    ) -> None:
+        state[REFRESH] = 0
+        state[SEED] = self.param_seed(group, index)
+
+    def basis(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        side: str,
+        stats: proj.RefreshStats,
+    ) -> torch.Tensor:
+        """P for this step (parameter dtype); a due refresh only moves to the next one."""
+        due = refresh_due(state, group)
+        t0 = time.perf_counter()
+        if due:
+            self.advance(state)
+            state[REFRESH] += 1
+            stats.count += 1
+        seed = self.generator_seed(state)
+        basis = proj.gaussian_basis(tuple(p.shape), int(group["rank"]), side, seed, device=p.device).to(
+            p.dtype
+        )
+        if due:
+            stats.seconds += time.perf_counter() - t0
+        return basis
+
+    def nbytes(self, shape: tuple[int, ...], group: dict[str, Any], side: str, dtype: torch.dtype) -> int:
+        return 0
+
+
+COMPUTED_BASIS = ComputedBasis()
+
+
+@dataclass(slots=True)
+class ProjectedStep:
+    """What `ProjectedAdam._projected_update` gets for one projected m x n parameter and step.
+
+    Attributes:
+        p: the weight W.
+        grad: G.
+        low: R = proj(G).
+        norm: N, the Adam-normalised R (see `adam_update`).
+        basis: P (parameter dtype).
+        side: "right", "left" or "full" (see `projection.choose_side`).
+        state: the parameter's state (``state[STEP]`` is t, already counted).
+        group: its param group.
+    """
+
+    p: torch.Tensor
+    grad: torch.Tensor
+    low: torch.Tensor
+    norm: torch.Tensor
+    basis: torch.Tensor
+    side: str
+    state: dict[str, Any]
+    group: dict[str, Any]
+
+    def back(self, x: torch.Tensor) -> torch.Tensor:
+        """back(x) = x P (right), P x (left) or P_L x P_R (full): from R's space to G's."""
+        return proj.project_back(x, self.basis, self.side, m=self.p.shape[0])
+
+
+# ---------------------------------------------------------------------- the optimizer
+
+
+def _sample(g: torch.Tensor, size: int = 256) -> torch.Tensor:
+    """About `size` entries of `g` spread over it (a strided view); `g` itself when it is small
+    or not contiguous (a full pass then costs about as much as taking a sample)."""
+    n = g.numel()
+    if n <= 16 * size or not g.is_contiguous():
+        return g
+    return g.as_strided((size,), (n // size,))  # one dispatch (a view plus a slice is two)
+
+
+def _nonzero_flags(grads: list[torch.Tensor]) -> list[bool]:
+    """[G != 0 anywhere, for G in grads] with one host synchronisation per device (two when
+    some large gradient's sample is all zero, as in a checkpoint loader's dummy step).
+
+    Uses ||G||_2 != 0 (a fused multi-tensor norm, several times faster than an inf-norm or
+    any() on CPU), first on a strided sample of each large G; inf/nan count as nonzero. A
+    gradient whose every entry is below ~1e-19 (squares underflow in fp32) also reads as
+    zero, which is harmless.
+    """
+    flags: list[bool] = [True] * len(grads)
+    sharded = [g for g in grads if _is_dtensor(g)]
+    if sharded:
+        # FSDP2: a shard may be zero where the whole gradient is not; decide on the whole one,
+        # identically on every rank (the projected step has collectives).
+        import torch.distributed as dist
+
+        norms = torch.stack([n.float() for n in torch._foreach_norm([local(g) for g in grads], ord=2)])
+        nonzero = norms.ne(0).float()
+        dist.all_reduce(nonzero, op=dist.ReduceOp.MAX, group=sharded[0].device_mesh.get_group())
+        return [bool(v) for v in nonzero.tolist()]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, g in enumerate(grads):
+        by_device.setdefault(g.device, []).append(i)
+    for idx in by_device.values():
+        # A strided sample of ~256 entries proves "nonzero" for almost every real gradient of
+        # a large matrix at a fraction of a full pass; only a gradient whose sample is all zero
+        # gets a full norm. Both answers are exact: a nonzero sample entry is a nonzero entry.
+        views = [_sample(grads[i]) for i in idx]
+        if len(views) == 1:  # one norm: no list of results to stack
+            norms = [float(torch.linalg.vector_norm(views[0], dtype=torch.float32))]
+        else:
+            norms = torch.stack(torch._foreach_norm(views, ord=2, dtype=torch.float32)).tolist()
+        unsure = []
+        for i, view, norm in zip(idx, views, norms):
+            flags[i] = norm != 0.0  # nan (an inf/nan entry) counts as nonzero
+            if not flags[i] and view is not grads[i]:
+                unsure.append(i)
+        if unsure:
+            norms = torch.stack(
+                torch._foreach_norm([grads[i] for i in unsure], ord=2, dtype=torch.float32)
+            ).tolist()
+            for i, norm in zip(unsure, norms):
+                flags[i] = norm != 0.0
+    return flags
+
+
+class ProjectedAdam(torch.optim.Optimizer):
+    """AdamW whose groups with ``rank`` run Adam on a projected gradient R = proj(G) (base class).
+
+    Args:
+        params: parameters or torch param groups; groups with ``rank`` are projected.
+        lr: eta, learning rate.
+        betas: (beta1, beta2), Adam's moment coefficients.
+        eps: epsilon, added to sqrt(V) (placement per `adam_convention`).
+        weight_decay: lambda, decoupled weight decay.
+        correct_bias: apply Adam's bias correction (1 - beta^t).
+        adam_convention: "reference" (galore-torch numerics) or "torch" (torch.optim.AdamW numerics).
+        fused: torch's fused Adam kernel: None where it applies, True always (an error where it
+            cannot run), False never (see `adam_update`).
+        **options: defaults for projected groups' keys (`PROJECTION_DEFAULTS`), e.g.
+            ``basis="svd"``, or for a method's extra every-group keys (`ADAM_DEFAULTS`); a
+            group's own value wins.
+    """
+
+    #: Keys filled into projected groups (those with ``rank``) when missing. Methods extend it.
+    PROJECTION_DEFAULTS: ClassVar[dict[str, Any]] = {
+        "update_proj_gap": 200,
+        "proj_type": "std",
+        "scale": 1.0,
+        "basis": "randomized_svd",
+        "oversample": proj.DEFAULT_OVERSAMPLE,
+        "power_iters": proj.DEFAULT_POWER_ITERS,
+        "warm_start": True,
+        "seed": 0,
+    }
+    #: Defaults of the Adam keys every group gets (the reference packages' signature).
+    ADAM_DEFAULTS: ClassVar[dict[str, Any]] = {
+        "lr": 1e-3,
+        "betas": (0.9, 0.999),
+        "eps": 1e-6,
+        "weight_decay": 0.0,
+        "correct_bias": True,
+        "adam_convention": "reference",
+    }
+    #: Group key holding alpha, the factor on the projected-back update (Fira calls it ``alpha``).
+    SCALE_KEY: ClassVar[str] = "scale"
+    #: key -> source: a projected group missing `key` takes its `source` key's value.
+    ALIASES: ClassVar[dict[str, str]] = {}
+    #: Allowed values of projected groups' keys.
+    CHOICES: ClassVar[dict[str, tuple[Any, ...]]] = {"proj_type": proj.PROJ_TYPES, "basis": proj.METHODS}
+    #: The only rank the method runs at (APOLLO-Mini: 1), also given to a ``project=True`` group
+    #: without one; None: any rank, required.
+    FIXED_RANK: ClassVar[int | None] = None
+    #: 0-d state tensors a method keeps per projected parameter: key -> dtype (None: the
+    #: parameter's), zeros at first; each costs its itemsize in `state_bytes`.
+    EXTRA_STATE: ClassVar[dict[str, torch.dtype | None]] = {}
+    #: Moment storage (init / update / bytes of ``exp_avg`` and ``exp_avg_sq``).
+    MOMENTS: ClassVar[type[AdamMoments]] = AdamMoments
+    #: Seeded random streams of ``basis="random"`` by the group's ``random_stream`` ("mix" when
+    #: the group has none).
+    RANDOM_STREAMS: ClassVar[dict[str, SeededRandomBasis]] = {"mix": SeededRandomBasis()}
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | None = None,
+        betas: tuple[float, float] | None = None,
+        eps: float | None = None,
+        weight_decay: float | None = None,
+        correct_bias: bool | None = None,
+        adam_convention: str | None = None,
+        fused: bool | None = None,
+        **options: Any,
+    ) -> None:
+        given = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "correct_bias": correct_bias,
+            "adam_convention": adam_convention,
+        }
+        defaults = {**self.ADAM_DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
+        for k in list(options):
+            if k in self.ADAM_DEFAULTS:  # a method's own every-group option (8-bit: min_8bit_size)
+                defaults[k] = options.pop(k)
+        defaults["betas"] = tuple(defaults["betas"])
+        _check_adam(defaults)
+        unknown = set(options) - set(self.PROJECTION_DEFAULTS)
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__} got unknown option(s) {sorted(unknown)}; "
+                f"projection options are {sorted(self.PROJECTION_DEFAULTS)}"
+            )
+        # Set before super().__init__, which calls add_param_group for every group.
+        self._projection_defaults = {**self.PROJECTION_DEFAULTS, **options}
+        self.moments = self.MOMENTS(fused=fused)
+        self.refresh_stats = proj.RefreshStats()
+        super().__init__(params, defaults)
+
+    @property
+    def refresh_count(self) -> int:
+        """Bases computed (or random bases moved to) since construction."""
+        return self.refresh_stats.count
+
+    @property
+    def refresh_seconds(self) -> float:
+        """Wall time spent on those refreshes."""
+        return self.refresh_stats.seconds
+
+    @property
+    def failed_refreshes(self) -> int:
+        """Refreshes that kept the previous basis (non-finite gradient, failed decomposition)."""
+        return self.refresh_stats.failed
+
+    # ------------------------------------------------------------------ groups
+
+    @classmethod
+    def _is_projected(cls, group: dict[str, Any]) -> bool:
+        if "project" in group:
+            return bool(group["project"])
+        return group.get("rank") is not None
+
+    @classmethod
+    def _fill_projected(cls, group: dict[str, Any], defaults: dict[str, Any]) -> None:
+        """Fills a projected group's missing keys in place: the fixed rank, aliases, defaults."""
+        if group.get("rank") is None and cls.FIXED_RANK is not None:
+            group["rank"] = cls.FIXED_RANK
+        for key, source in cls.ALIASES.items():
+            if key not in group and source in group:
+                group[key] = group[source]
+        for k, v in defaults.items():
+            group.setdefault(k, v)
+
+    @classmethod
+    def resolve_group(cls, group: dict[str, Any]) -> dict[str, Any]:
+        """A copy of a plain dict group with ``project`` decided and every default filled.
+
+        This is what construction records in each group; `state_bytes` uses it so that it works
+        without building an optimizer.
+        """
+        g = {k: v for k, v in group.items() if k != "params"}
+        for k, v in cls.ADAM_DEFAULTS.items():
+            g.setdefault(k, v)
+        g["project"] = cls._is_projected(g)
+        if g["project"]:
+            cls._fill_projected(g, dict(cls.PROJECTION_DEFAULTS))
+        return g
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's add_param_group, then records eligibility and fills projection defaults."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        group["betas"] = tuple(group["betas"])
+        _check_adam(group)
+        group["project"] = self._is_projected(group)
+        if group["project"]:
+            self._fill_projected(group, self._projection_defaults)
+            self._check_projected(group)
+
+    def _check_projected(self, group: dict[str, Any]) -> None:
+        """Checks a projected group's options (the class's data) and that each param is 2-D."""
+        name = type(self).__name__
+        if group.get("rank") is None:
+            raise ValueError("a group with project=True needs a 'rank'")
+        if int(group["rank"]) < 1:
+            raise ValueError(f"rank must be a positive int, got {group['rank']!r}")
+        if self.FIXED_RANK is not None and int(group["rank"]) != self.FIXED_RANK:
+            raise ValueError(f"{name} is rank {self.FIXED_RANK}, got rank={group['rank']!r}")
+        if int(group["update_proj_gap"]) < 1:
+            raise ValueError(f"update_proj_gap must be a positive int, got {group['update_proj_gap']!r}")
+        choices = {**self.CHOICES, "random_stream": tuple(self.RANDOM_STREAMS)}
+        for key, allowed in choices.items():
+            value = group.get(key, "mix") if key == "random_stream" else group[key]
+            if value not in allowed:
+                raise ValueError(f"{key} must be one of {allowed}, got {value!r}")
+        if group["basis"] == "random" and group["proj_type"] == "full":
+            raise ValueError("basis='random' does not support proj_type='full'")
+        if float(group[self.SCALE_KEY]) < 0:
+            raise ValueError(f"{self.SCALE_KEY} must be >= 0, got {group[self.SCALE_KEY]!r}")
+        for p in group["params"]:
+            if p.ndim != 2:
+                raise ValueError(
+                    f"{name}: a group with 'rank' holds a parameter of shape {tuple(p.shape)}; "
+                    "only 2-D weight matrices can be projected. Put biases, norms and embeddings in a "
+                    "group without 'rank' (they then get plain AdamW)."
+                )
+
+    @classmethod
+    def _basis_policy(cls, group: dict[str, Any]) -> BasisPolicy:
+        if group["basis"] != "random":
+            return COMPUTED_BASIS
+        return cls.RANDOM_STREAMS[group.get("random_stream", "mix")]
+
+    # ------------------------------------------------------------------ state
+
+    @staticmethod
+    def _side(p: torch.Tensor, group: dict[str, Any]) -> str:
+        return proj.choose_side(tuple(p.shape), group["proj_type"])
+
+    def _init_state(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], index: int) -> None:
+        state[STEP] = 0
+        if not group["project"]:
+            # FSDP2 with element-wise moments: sharded like the parameter, each rank steps its shard.
+            sharded = _is_dtensor(p) and self.moments.ELEMENTWISE
+            self.moments.init(state, p, None if sharded else tuple(p.shape), group)
+            return
+        side = self._side(p, group)
+        self._basis_policy(group).init_state(state, p, group, side, index)
+        self.moments.init(
+            state, p, proj.low_rank_shape(tuple(p.shape), group["rank"], side, group["basis"]), group
+        )
+        for key, dtype in self.EXTRA_STATE.items():
+            state[key] = torch.zeros((), dtype=dtype or p.dtype, device=p.device)
+
+    # ------------------------------------------------------------------ numerics
+
+    def _projected_update(self, s: ProjectedStep) -> tuple[Direction, float]:
+        """The method's update rule: the full-size direction D and a factor alpha.
+
+        Applied as W <- W - eta_t alpha D with the convention's weight decay (`_apply_update`).
+        D may be a factor pair (A, B) standing for D = A B (GaLore: (N, P) on the right side),
+        which is applied by one fused ``addmm_`` with no m x n temporary.
+
+        Args:
+            s: this parameter's step: W, G, R, N, P, the side, its state and group.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must define _projected_update")
+
+    def _adam(
+        self, x: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
+    ) -> tuple[torch.Tensor, float]:
+        """Counts the step (t <- t + 1) and advances the moments with x = R or G: (N, eta_t)."""
+        state[STEP] += 1
+        return self.moments.update(state, x, group)
+
+    def _dense_step(
+        self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
+    ) -> None:
+        """Plain AdamW for a non-projected parameter."""
+        norm, step_size = self._adam(grad, state, group)
+        self._apply_update(p, norm, step_size, group)
+
+    def _projected_step(
+        self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
+    ) -> None:
+        """P from the basis policy, R = proj(G), Adam on R, then the method's update."""
+        side = self._side(p, group)
+        basis = self._basis_policy(group).basis(p, grad, state, group, side, self.refresh_stats)
+        if basis is None:
+            return
+        low = proj.project(grad, basis, side)
+        norm, step_size = self._adam(low, state, group)
+        update, alpha = self._projected_update(ProjectedStep(p, grad, low, norm, basis, side, state, group))
+        self._apply_update(p, update, step_size, group, alpha)
+
+    @staticmethod
+    def _apply_update(
+        p: torch.Tensor, update: Direction, step_size: float, group: dict[str, Any], alpha: float = 1.0
+    ) -> None:
+        """W <- W - eta_t alpha D, with decoupled weight decay before (torch) or after (reference)."""
+        _decay(p, group, before=True)
+        if isinstance(update, tuple):
+            p.addmm_(update[0], update[1], alpha=-step_size * alpha)
+        else:
+            p.add_(update, alpha=-step_size * alpha)
+        _decay(p, group, before=False)
+
+    # ------------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimisation step over all parameters that have a gradient.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (run with grad enabled).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        entries: list[tuple[dict[str, Any], torch.Tensor, int]] = []
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    if p.grad.is_sparse:
+                        raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                    entries.append((group, p, index))
+                index += 1
+        if not entries:
+            return loss
+        live = _nonzero_flags([p.grad for _, p, _ in entries])
+        for (group, p, idx), nonzero in zip(entries, live):
+            state = self.state[p]
+            if not state:
+                self._init_state(p, group, state, idx)
+            if not nonzero:
+                continue
+            if not _is_dtensor(p):
+                (self._projected_step if group["project"] else self._dense_step)(p, p.grad, state, group)
+            elif group["project"]:
+                self._whole_step_sharded(p, state, group, self._projected_step)
+            elif not self.moments.ELEMENTWISE:
+                self._whole_step_sharded(p, state, group, self._dense_step)
+            else:
+                self._dense_step(p, p.grad, state, group)
+        return loss
+
+    def _whole_step_sharded(
+        self,
+        p: torch.Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        step_fn: Callable[[torch.Tensor, torch.Tensor, dict[str, Any], dict[str, Any]], None],
+    ) -> None:
+        """`step_fn` (the projected step, or the dense one of non-element-wise moments) of an
+        FSDP2-sharded (DTensor) weight, run on the whole matrix.
+
+        The basis needs the whole gradient, and Fira's and APOLLO's norms are over the whole
+        matrix, so every rank all-gathers the full gradient G and the full weight W, runs exactly
+        the single-process step on them (same basis on every rank: same inputs, same seeds), and
+        keeps its own shard of the updated W. The projected state (low-rank moments, basis) is
+        therefore replicated, not sharded: its size is already O((m + n) r).
+
+        Cost per projected m x n weight and step, world size N, itemsize s: two all-gathers (G and
+        W) of (N - 1)/N m n s bytes received each, and two transient full m x n buffers on every
+        rank (freed after the step); the basis computation is repeated on every rank instead of
+        being communicated. Gathering W keeps every method's update rule (in-place on W, weight
+        decay included) bitwise identical to a single process.
+
+        Moment storage that is not element-wise (8-bit block-wise quantisation:
+        `AdamMoments.ELEMENTWISE` False) steps its non-projected weights this way too, so the
+        8-bit blocks are those of a single process; that state is then whole on every rank as well.
+        """
+        weight = whole(p)
+        step_fn(weight, whole(p.grad), state, group)
+        write_whole_(p, weight)  # identical on every rank: each keeps its own chunk
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load_state_dict, keeping each saved tensor's own dtype.
+
+        torch casts every floating-point state tensor to its parameter's dtype on load; our state
+        may hold other dtypes on purpose (8-bit moments, their fp32 scales, APOLLO's fp32 norm), so
+        those are put back exactly as saved (moved to the parameter's device).
+        """
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        keep: list[tuple[torch.Tensor, str, torch.Tensor]] = []
+        for pid, p in zip(saved_ids, params):
+            for k, v in state_dict["state"].get(pid, {}).items():
+                if torch.is_tensor(v) and k != STEP and v.dtype != p.dtype:
+                    keep.append((p, k, v))
+        super().load_state_dict(state_dict)
+        for p, k, v in keep:
+            self.state[p][k] = v.to(device=p.device)
+
+    # ------------------------------------------------------------------ memory
+
+    @classmethod
+    def state_bytes(cls, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+        """Exact bytes of tensor state for one parameter after >= 1 step (python ints cost 0).
+
+        With s the itemsize of `dtype`, k = min(r, m, n) (k = r for the random method) and the
+        side from `proj_type` (std: right if m >= n else left), for the default moment storage:
+
+        * not projected (no ``rank``): 2 s prod(shape)                       (M, V)
+        * right side:  2 s m k + s k n     (M, V are m x k; P is k x n)
+        * left side:   2 s k n + s m k     (M, V are k x n; P is m x k)
+        * full:        2 s k^2 + s k (m + n)
+        * basis "random": the P term is 0 (regenerated, never stored).
+
+        plus the itemsize of each `EXTRA_STATE` scalar; `MOMENTS` may replace the moments' term
+        (see the methods' docstrings).
+
+        Args:
+            shape: the parameter's shape.
+            group: a param group (a plain dict is fine; missing keys take the defaults).
+            dtype: the parameter's dtype.
+        """
+        g = cls.resolve_group(group)
+        shape = tuple(shape)
+        if not g["project"]:
+            return cls.MOMENTS.nbytes(math.prod(shape), dtype, g)
+        side = proj.choose_side(shape, g["proj_type"])
+        low = proj.low_rank_shape(shape, int(g["rank"]), side, g["basis"])
+        extra = sum((dt or dtype).itemsize for dt in cls.EXTRA_STATE.values())
+        basis = cls._basis_policy(g).nbytes(shape, g, side, dtype)
+        return cls.MOMENTS.nbytes(math.prod(low), dtype, g) + basis + extra
+
+
+__all__ = [
+    "ADAM_CONVENTIONS",
+    "BASIS",
+    "EXP_AVG",
+    "EXP_AVG_SQ",
+    "REFRESH",
+    "SEED",
+    "STEP",
+    "AdamMoments",
+    "BasisPolicy",
+    "ComputedBasis",
+    "Direction",
+    "ProjectedAdam",
+    "ProjectedStep",
+    "SeededRandomBasis",
+    "adam_update",
+    "fusable",
+    "refresh_due",
+]
