@@ -16,7 +16,7 @@ Estimate, per rank, in bytes:
 bf16, the paper's setting); ``bf16-mixed`` (fp32 weights/grads/states, bf16 activations).
 Under FSDP2 weights, grads and full-rank states are sharded over ranks, while a projected matrix's
 low-rank moments and basis are computed from the gathered gradient and held whole on every rank
-(optimizers/base.py), and the 8-bit methods (adamw_8bit, galore_8bit) step gathered tensors and
+(optimizers/projected_adam.py), and the 8-bit methods (adamw_8bit, galore_8bit) step gathered tensors and
 hold all their state whole on every rank (`MethodSpec.fsdp2_whole_state`); under DDP every rank
 holds all. Per-rank figures are rank 0's, the largest share: torch.chunk gives it ceil(rows / N)
 rows of every tensor.
@@ -115,7 +115,7 @@ class Estimate:
 
 def projection_group(optim_cfg: Any) -> dict[str, Any]:
     """The group options a projected param gets from an OptimConfig (also used by the trainer):
-    the registry row's `projection_group` (aliases and fixed keys of the method)."""
+    the registry row's `projection_group`."""
     o = optim_cfg
     return optimizers.method_spec(o.name).projection_group(
         rank=o.rank,

@@ -3,8 +3,10 @@
 `METHODS` is the method registry, the one place that holds every fact the toolkit needs about an
 optimizer name: its class (imported on first use, so ``import optimizers`` stays cheap and an
 optional backend such as bitsandbytes is only needed by the methods that use it), whether it
-projects some groups, how its state shards under FSDP2, the fixed keys its projected groups get,
-whether it needs the run length, and its exact state-bytes formula. The config's choices, the
+projects some groups, how its state shards under FSDP2, whether it needs the run length, and its
+exact state-bytes formula. What a projected class fills into its own groups (APOLLO-Mini's fixed
+rank, Fira's ``alpha`` from ``scale``, APOLLO's random basis) stays on the class
+(`projected_adam.ProjectedAdam` class attributes) and is read from there, not repeated here. The config's choices, the
 memory estimator, the trainer's param-group rules, the HF factory, the leaderboard and the tests
 all read it. Adding a method is one file with its class plus one `MethodSpec` row here.
 
@@ -50,10 +52,6 @@ class MethodSpec:
         fsdp2_whole_state: under FSDP2 all of its state stays whole on every rank (its dense
             moments are not element-wise: 8-bit blocks); otherwise full-size state shards with the
             parameter and a projected matrix's low-rank state is whole on every rank.
-        group_keys: fixed keys every projected group gets (APOLLO's ``proj``/``scale_type``,
-            APOLLO-Mini's ``rank`` 1); a fixed ``rank`` also exempts the method from the
-            rank <= min(m, n) check.
-        aliases: group keys that take another key's value (Fira's ``alpha`` is the ``scale``).
         needs_total_steps: the constructor takes ``total_steps`` (the run length) unless given.
         defaults: constructor keywords the toolkit passes unless the caller gives them.
         state_bytes_fn: the state formula for a class that has no ``state_bytes`` classmethod of
@@ -65,8 +63,6 @@ class MethodSpec:
     summary: str = ""
     projects: bool = False
     fsdp2_whole_state: bool = False
-    group_keys: Mapping[str, Any] = field(default_factory=dict)
-    aliases: Mapping[str, str] = field(default_factory=dict)
     needs_total_steps: bool = False
     defaults: Mapping[str, Any] = field(default_factory=dict)
     state_bytes_fn: Callable[[tuple[int, ...], dict[str, Any], torch.dtype], int] | None = None
@@ -83,7 +79,9 @@ class MethodSpec:
 
     @property
     def fixed_rank(self) -> int | None:
-        return self.group_keys.get("rank")
+        """The rank the class always projects at (APOLLO-Mini: 1), or None; a fixed rank exempts
+        the method from the rank <= min(m, n) check and from ``optim.rank``."""
+        return getattr(self.cls, "FIXED_RANK", None) if self.projects else None
 
     def projection_group(
         self,
@@ -96,19 +94,17 @@ class MethodSpec:
         extra: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """The options of a projected param group (without ``params``) from the common settings:
-        aliases and fixed keys applied, ``basis="default"`` left to the class, and the basis
-        options of `extra` (`PROJECTION_GROUP_EXTRAS`) carried over."""
+        the class's fixed rank wins over `rank`, ``basis="default"`` is left to the class (which
+        also fills its own aliases and defaults), and the basis options of `extra`
+        (`PROJECTION_GROUP_EXTRAS`) are carried over."""
         if not self.projects:
             raise ValueError(f"{self.name} does not project")
         g: dict[str, Any] = {
-            "rank": rank,
+            "rank": self.fixed_rank or rank,
             "update_proj_gap": update_proj_gap,
             "scale": scale,
             "proj_type": proj_type,
         }
-        for alias, key in self.aliases.items():
-            g[alias] = g[key]
-        g.update(self.group_keys)
         if basis != "default":
             g["basis"] = basis
         g.update({k: v for k, v in (extra or {}).items() if k in PROJECTION_GROUP_EXTRAS})
@@ -129,8 +125,7 @@ class MethodSpec:
 
 
 def _spec(**kw: Any) -> MethodSpec:
-    for key in ("group_keys", "aliases", "defaults"):
-        kw[key] = MappingProxyType(dict(kw.get(key, {})))
+    kw["defaults"] = MappingProxyType(dict(kw.get("defaults", {})))
     return MethodSpec(**kw)
 
 
@@ -180,21 +175,18 @@ METHODS: dict[str, MethodSpec] = {
             target="optimizers.fira:FiraAdamW",
             summary="GaLore + scaled full-rank residual with the norm-growth limiter",
             projects=True,
-            aliases={"alpha": "scale"},
         ),
         _spec(
             name="apollo",
             target="optimizers.apollo:APOLLOAdamW",
             summary="seeded random projection (never stored), channel-wise scaling",
             projects=True,
-            group_keys={"proj": "random", "scale_type": "channel"},
         ),
         _spec(
             name="apollo_mini",
             target="optimizers.apollo:APOLLOMini",
             summary="APOLLO at rank 1 with tensor-wise scaling",
             projects=True,
-            group_keys={"rank": 1, "proj": "random", "scale_type": "tensor"},
         ),
     )
 }
