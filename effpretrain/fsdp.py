@@ -155,7 +155,16 @@ def _placeholders(obj: Any) -> list[dict[str, Any]]:
 
 
 def _param_names(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[list[str]]:
-    """The fully qualified name of every parameter `opt` steps, param group by param group."""
+    """The fully qualified name of every parameter `opt` steps, param group by param group.
+
+    A sharded module is first resharded: after a forward without backward (an evaluation) the root
+    keeps its gathered parameters registered, while the optimizer steps the sharded ones.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
     names = {id(p): n for n, p in model.named_parameters()}
     try:
         return [[names[id(p)] for p in g["params"]] for g in opt.param_groups]
