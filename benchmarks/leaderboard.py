@@ -406,60 +406,6 @@ def cpu_description() -> str:
     return f"{name}, {os.cpu_count()} cores"
 
 
-def flops_per_token(
-    preset: str,
-    vocab_size: int,
-    seq_len: int,
-    factor_kind: str = "none",
-    factor_rank: int = 128,
-    density: float = 0.03,
-    factor_targets: Sequence[str] | None = None,
-    tokens_per_step: int | None = None,
-) -> float:
-    """Training FLOPs per token (forward + backward) of a preset's matrix multiplies.
-
-    Counted per token, 2 FLOPs per multiply-add:
-
-    - a trainable dense m x n linear: 6 m n (forward 2 m n, input gradient 2 m n, weight
-      gradient 2 m n); the lm_head likewise 6 V h; the embedding lookup 0;
-    - attention scores and the weighted sum of values: 12 L h T per token for sequence length T
-      (PaLM's count; the causal mask is not exploited);
-    - Low-Rank y = B (A x): 6 r (m + n);
-    - LoRA / ReLoRA: the frozen W0 costs 4 m n (no weight gradient) plus 6 r (m + n);
-    - SLTrain as implemented (materialises W = s B A + S, then a dense matmul): 6 m n per token
-      plus, once per step, the product B A (2 m n r) and its backward (4 m n r), divided over the
-      step's `tokens_per_step` (ignored when None); the sparse scatter is not counted.
-
-    Norms, activations, softmax, the loss and the optimizer (including basis refreshes) are not
-    counted: the optimizer's cost is reported as time instead.
-    """
-    from effpretrain.config import ATTN_MLP_TARGETS
-    from effpretrain.memory import llama_param_specs
-    from effpretrain.models.llama import PRESETS
-
-    targets = set(factor_targets or ATTN_MLP_TARGETS)
-    p = PRESETS[preset]
-    total = 12.0 * p.layers * p.hidden * seq_len
-    for spec in llama_param_specs(preset, vocab_size):
-        if spec.name.endswith("embed_tokens.weight") or len(spec.shape) != 2:
-            continue
-        m, n = spec.shape
-        factorized = factor_kind != "none" and spec.kind == "target" and spec.name.split(".")[-2] in targets
-        if not factorized:
-            total += 6 * m * n
-        elif factor_kind == "lowrank":
-            total += 6 * factor_rank * (m + n)
-        elif factor_kind in ("lora", "relora"):
-            total += 4 * m * n + 6 * factor_rank * (m + n)
-        elif factor_kind == "sltrain":
-            total += 6 * m * n
-            if tokens_per_step:
-                total += 6 * m * n * factor_rank / tokens_per_step
-        else:
-            raise ValueError(f"unknown factor kind {factor_kind!r}")
-    return total
-
-
 def _vocab_size(summary: dict[str, Any], cfg: Any) -> int:
     """The trained vocabulary, from the parameter count: only embedding and head depend on it."""
     from effpretrain.memory import estimate
@@ -558,6 +504,7 @@ def collect_run(run_dir: Path) -> dict[str, Any] | None:
         import yaml
 
         from effpretrain.config import from_dict
+        from effpretrain.flops import flops_per_token
 
         cfg = from_dict(yaml.safe_load(cfg_path.read_text()), str(cfg_path))
         f = cfg.factor
@@ -571,9 +518,8 @@ def collect_run(run_dir: Path) -> dict[str, Any] | None:
             cfg.data.seq_len,
             f.kind,
             f.rank,
-            f.density,
-            f.targets,
-            per_step,
+            factor_targets=f.targets,
+            tokens_per_step=per_step,
         )
     return row
 
@@ -933,95 +879,6 @@ def publish(rows: Sequence[dict[str, Any]], out: Path, plots: bool = True) -> No
 
 
 # ----------------------------------------------------------------------------------------------
-# --paper: the estimator against the published weight + optimizer memory
-
-PAPER_SIZES = (("llama_60m", 128), ("llama_130m", 256), ("llama_350m", 256), ("llama_1b", 512))
-# PAPER.md section 3, GB (1e9 bytes) of bf16 weights + optimizer state.
-PAPER_MEMORY_GB: dict[str, dict[str, float]] = {
-    "adamw": {"llama_60m": 0.35, "llama_130m": 0.81, "llama_350m": 2.21, "llama_1b": 8.04},
-    "galore": {"llama_60m": 0.28, "llama_130m": 0.61, "llama_350m": 1.59, "llama_1b": 4.76},
-    "lowrank": {"llama_1b": 3.66},
-}
-# PAPER.md: GaLore's published 350M number uses rank 384 (unconfirmed); r = 256 gives 1.39 GB.
-RANK_OVERRIDES = {("galore", "llama_350m"): 384}
-# (method, optimizer, factor kind): factorized methods train their factors with AdamW.
-PAPER_METHODS: tuple[tuple[str, str, str], ...] = (
-    ("adamw", "adamw", "none"),
-    ("stable_spam", "stable_spam", "none"),
-    ("adamw_8bit", "adamw_8bit", "none"),
-    ("galore", "galore", "none"),
-    ("galore_8bit", "galore_8bit", "none"),
-    ("fira", "fira", "none"),
-    ("apollo", "apollo", "none"),
-    ("apollo_mini", "apollo_mini", "none"),
-    ("lowrank", "adamw", "lowrank"),
-    ("lora", "adamw", "lora"),
-    ("relora", "adamw", "relora"),
-    ("sltrain", "adamw", "sltrain"),
-)
-
-
-def paper_memory_table(methods: Sequence[tuple[str, str, str]] = PAPER_METHODS) -> list[dict[str, Any]]:
-    """The estimator's bf16 weight + optimizer memory (GB) per size and method, beside the paper's.
-
-    A method whose optimizer or layer cannot be imported yet gets ``gb = None`` and its error.
-    Ranks are 128/256/256/512 for 60M/130M/350M/1B, except `RANK_OVERRIDES` (GaLore 350M: 384,
-    the rank that reproduces the published number). APOLLO-Mini always uses rank 1.
-    """
-    from effpretrain.config import OptimConfig
-    from effpretrain.memory import estimate
-
-    rows = []
-    for method, opt, kind in methods:
-        for preset, default_rank in PAPER_SIZES:
-            rank = RANK_OVERRIDES.get((method, preset), default_rank)
-            row: dict[str, Any] = {
-                "method": method,
-                "model": preset,
-                "rank": 1 if opt == "apollo_mini" else rank,
-            }
-            try:
-                est = estimate(
-                    preset,
-                    opt,
-                    dtype="bf16",
-                    optim_cfg=OptimConfig(name=opt, rank=rank),
-                    factor_kind=kind,
-                    factor_rank=rank,
-                )
-                row["gb"] = est.weights_plus_optimizer / 1e9
-            except Exception as e:  # a method still being written: show n/a and go on
-                row["gb"], row["error"] = None, f"{type(e).__name__}: {e}".splitlines()[0]
-            paper = PAPER_MEMORY_GB.get(method, {}).get(preset)
-            row["paper_gb"] = paper
-            row["diff_gb"] = row["gb"] - paper if row["gb"] is not None and paper is not None else None
-            if (method, preset) in RANK_OVERRIDES:
-                row["note"] = f"r{rank}: reproduces the published number (PAPER.md: unconfirmed)"
-            elif kind == "sltrain":
-                row["note"] = "sparse density 0.03 (SLTrain paper; the benchmark code uses 0.01)"
-            rows.append(row)
-    return rows
-
-
-def format_paper_table(rows: Sequence[dict[str, Any]]) -> str:
-    """Markdown: one line per method and size, ours vs published, with the difference."""
-    lines = [
-        "Weight + optimizer memory, bf16, GB (1e9 bytes), per PAPER.md section 3's counting",
-        "",
-        "| method | model | rank | estimate | paper | difference | note |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        gb = f"{r['gb']:.3f}" if r["gb"] is not None else "n/a"
-        paper = f"{r['paper_gb']:.2f}" if r["paper_gb"] is not None else "-"
-        # round then add 0.0: a difference under half a MB prints as +0.000, not -0.000
-        diff = f"{round(r['diff_gb'], 3) + 0.0:+.3f}" if r["diff_gb"] is not None else "-"
-        note = r.get("note") or r.get("error") or ""
-        lines.append(f"| {r['method']} | {r['model']} | {r['rank']} | {gb} | {paper} | {diff} | {note} |")
-    return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------------------
 # CLI
 
 
@@ -1069,7 +926,9 @@ def _int_list(text: str, flag: str) -> list[int]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     if args.paper:
-        print(format_paper_table(paper_memory_table(PAPER_METHODS)))
+        from effpretrain import paper
+
+        print(paper.format_paper_table(paper.paper_memory_table()))
         return 0
     if args.out is None:
         raise BadInput("--out DIR is required (or use --paper)")

@@ -65,17 +65,18 @@ def temp_folder(ckpt_root: Path, step: int) -> Path:
 def save_checkpoint(
     ckpt_root: Path,
     step: int,
-    model_state: dict[str, torch.Tensor] | None,
-    optimizer_state: dict[str, Any] | None,
+    *,
     trainer_state: dict[str, Any],
     config_yaml: str,
+    model_state: dict[str, torch.Tensor] | None = None,
+    optimizer_state: dict[str, Any] | None = None,
     keep: int = 2,
     tmp: Path | None = None,
 ) -> Path:
     """Writes checkpoint `step` atomically and prunes old ones, keeping the newest `keep` complete.
 
     With `tmp` (a `temp_folder` that other ranks already wrote a ``dcp/`` sharded state into),
-    `model_state` and `optimizer_state` are None and only the remaining files are added before
+    `model_state` and `optimizer_state` are left out and only the remaining files are added before
     the folder is committed.
     """
     from safetensors.torch import save_file
@@ -229,30 +230,62 @@ def read_model_state(path: Path, state: dict[str, Any] | None = None) -> dict[st
         raise ConfigError(f"checkpoint {path}: dcp/ unreadable ({fsdp.dcp_error(e)})") from None
 
 
-def find_resume(run_dir: Path, resume: str) -> Path | None:
-    """Resolves --resume: `auto` = newest loadable checkpoint of run_dir (None if there is none),
-    else a path to a checkpoint folder or to a run directory."""
-    if resume == "auto":
-        root = run_dir / "checkpoints"
-        done = complete_checkpoints(root)
-        for p in reversed(done):
-            try:
-                load_checkpoint(p)
-                return p
-            except ConfigError as e:
-                log.warning("skipping checkpoint %s: %s", p.name, e)
-        if root.is_dir() and any(_STEP_DIR.match(p.name) for p in root.iterdir()):
-            # Starting over would silently discard a run: refuse instead.
-            raise ConfigError(f"{root}: checkpoints exist but none is complete and loadable")
-        return None
-    p = Path(resume)
+def load_model_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: str | Path) -> None:
+    """Loads a checkpoint's model state dict into `model`, requiring an exact match.
+
+    Every parameter and persistent buffer of `model` must be in `weights` with its shape, and
+    nothing else may be, except the model's non-persistent buffers (rotary ``inv_freq``), which
+    are rebuilt rather than loaded. Otherwise a one-line ConfigError naming `source` (the
+    checkpoint) and the first offending keys.
+    """
+    non_persistent = {
+        f"{name}.{b}" if name else b
+        for name, m in model.named_modules()
+        for b in m._non_persistent_buffers_set
+    }
+    try:
+        missing, unexpected = model.load_state_dict(
+            {k: v for k, v in weights.items() if k not in non_persistent}, strict=False
+        )
+    except RuntimeError as e:  # a shape mismatch: torch lists each one on its own line
+        detail = next((ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()), type(e).__name__)
+        raise ConfigError(f"checkpoint {source} does not match the model ({detail[:200]})") from None
+    if missing or unexpected:
+        raise ConfigError(
+            f"checkpoint {source} does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
+
+
+def resolve_checkpoint(path: str | Path, what: str = "--resume") -> Path:
+    """A complete checkpoint folder from `path`: the folder itself, or a run directory's newest
+    loadable checkpoint. ConfigError (starting with `what`, the argument being resolved) if `path`
+    does not exist, holds no complete checkpoint, or is not a complete checkpoint folder."""
+    p = Path(path)
     if not p.exists():
-        raise ConfigError(f"--resume: {resume} does not exist")
+        raise ConfigError(f"{what}: {path} does not exist")
     if (p / "checkpoints").is_dir():
         found = find_resume(p, "auto")
         if found is None:
-            raise ConfigError(f"--resume: {resume} holds no complete checkpoint")
+            raise ConfigError(f"{what}: {path} holds no complete checkpoint")
         return found
     if not (p / MARKER).is_file():
-        raise ConfigError(f"--resume: {resume} is not a complete checkpoint folder")
+        raise ConfigError(f"{what}: {path} is not a complete checkpoint folder")
     return p
+
+
+def find_resume(run_dir: Path, resume: str) -> Path | None:
+    """Resolves --resume: `auto` = newest loadable checkpoint of run_dir (None if there is none),
+    else a path to a checkpoint folder or to a run directory (`resolve_checkpoint`)."""
+    if resume != "auto":
+        return resolve_checkpoint(resume, "--resume")
+    root = run_dir / "checkpoints"
+    for p in reversed(complete_checkpoints(root)):
+        try:
+            load_checkpoint(p)
+            return p
+        except ConfigError as e:
+            log.warning("skipping checkpoint %s: %s", p.name, e)
+    if root.is_dir() and any(_STEP_DIR.match(p.name) for p in root.iterdir()):
+        # Starting over would silently discard a run: refuse instead.
+        raise ConfigError(f"{root}: checkpoints exist but none is complete and loadable")
+    return None

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from effpretrain.checkpoint import find_resume, load_checkpoint, read_model_state
+from effpretrain.checkpoint import load_checkpoint, load_model_weights, read_model_state, resolve_checkpoint
 from effpretrain.config import ConfigError, from_dict, validate
 
 log = logging.getLogger("effpretrain")
@@ -23,18 +23,14 @@ def export(run_or_ckpt: str | Path, out: str | Path) -> Path:
     from effpretrain.models import merge_factorized_
     from effpretrain.run_model import build_run_model
 
-    src = Path(run_or_ckpt)
-    path = find_resume(src, "auto") if (src / "checkpoints").is_dir() else src
-    if path is None or not path.exists():
-        raise ConfigError(f"export: {run_or_ckpt} holds no complete checkpoint")
+    path = resolve_checkpoint(run_or_ckpt, "export")
     state = load_checkpoint(path)
     cfg = validate(from_dict(state["trainer"]["config"], str(path)), str(path))
     weights = read_model_state(path, state)  # whole, also from an FSDP2 run's sharded dcp/
-    vocab = weights["model.embed_tokens.weight"].shape[0]
-    model, _ = build_run_model(cfg, vocab)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if unexpected or [k for k in missing if k in dict(model.named_parameters())]:
-        raise ConfigError(f"export: checkpoint {path} does not match its config's model")
+    if "model.embed_tokens.weight" not in weights:
+        raise ConfigError(f"export: checkpoint {path} holds no model.embed_tokens.weight")
+    model, _ = build_run_model(cfg, weights["model.embed_tokens.weight"].shape[0])
+    load_model_weights(model, weights, path)
     merged = merge_factorized_(model)
     model = model.to(torch.float32)
     out = Path(out)

@@ -13,7 +13,9 @@ optimizer's tensors into ``step-N/dcp/`` with every rank writing only its own sh
 model or optimizer state; state that is whole on every rank (projected low-rank state, the 8-bit
 methods' state, scalars) is written once. What is not a tensor (step counters, param groups,
 the restart counters) goes into ``trainer.pt`` as a "skeleton" whose tensor leaves are
-placeholders naming their DCP key, shape, strides and whether they were sharded. `load_sharded`
+placeholders naming their DCP key, shape, strides and whether they were sharded. Per-parameter
+optimizer state is keyed by the parameter's name (``optim/state/<name>/<key>``), not by torch's
+position index, and mapped back to this optimizer's indices on load. `load_sharded`
 allocates each tensor as it was (a DTensor laid out like its parameter, or a plain tensor with
 the saved strides), lets DCP fill it in place (each rank reads only its shards) and hands the
 rebuilt state dict to the optimizer. `read_model_state` reads the model back whole in a single
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
+from effpretrain.checkpoint import load_model_weights
 from effpretrain.config import ConfigError
 from optimizers._sharded import local, sum_squares_fp64
 
@@ -151,15 +154,68 @@ def _placeholders(obj: Any) -> list[dict[str, Any]]:
     return []
 
 
+def _param_names(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[list[str]]:
+    """The fully qualified name of every parameter `opt` steps, param group by param group.
+
+    A sharded module is first resharded: after a forward without backward (an evaluation) the root
+    keeps its gathered parameters registered, while the optimizer steps the sharded ones.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+    names = {id(p): n for n, p in model.named_parameters()}
+    try:
+        return [[names[id(p)] for p in g["params"]] for g in opt.param_groups]
+    except KeyError:
+        raise ValueError("the optimizer steps a parameter that is not the model's") from None
+
+
+def _keyed_by_name(sd: dict[str, Any], names: list[list[str]]) -> dict[str, Any]:
+    """`opt.state_dict()` with its parameter indices (torch numbers the parameters 0, 1, ... in
+    param-group order) replaced by the parameters' names, in ``state`` and in ``param_groups``."""
+    flat = [n for group in names for n in group]
+    out = dict(sd)
+    out["state"] = {flat[k] if isinstance(k, int) else k: v for k, v in sd["state"].items()}
+    out["param_groups"] = [{**g, "params": [flat[i] for i in g["params"]]} for g in sd["param_groups"]]
+    return out
+
+
+def _keyed_by_index(sd: dict[str, Any], names: list[list[str]]) -> dict[str, Any]:
+    """Inverse of `_keyed_by_name` for this optimizer: each name becomes the index of that same
+    parameter here, whatever order it was saved in. ValueError unless every param group holds the
+    same parameters as the saved one."""
+    if len(sd["param_groups"]) != len(names):
+        raise ValueError(f"{len(sd['param_groups'])} param groups in the saved optimizer, {len(names)} here")
+    index = {n: i for i, n in enumerate(n for group in names for n in group)}
+    groups = []
+    for g, (saved, mine) in enumerate(zip(sd["param_groups"], names)):
+        if sorted(saved["params"]) != sorted(mine):
+            odd = sorted(set(saved["params"]) ^ set(mine))
+            raise ValueError(
+                f"param group {g} holds {len(saved['params'])} parameters in the checkpoint, {len(mine)} here"
+                + (f" ({odd[0]} is in only one)" if odd else "")
+            )
+        groups.append({**saved, "params": [index[n] for n in mine]})
+    out = dict(sd)
+    out["state"] = {index.get(k, k): v for k, v in sd["state"].items()}
+    out["param_groups"] = groups
+    return out
+
+
 def save_sharded(folder: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """Writes the model's and optimizer's tensors to `folder` with DCP (a collective: every rank).
 
-    Returns the optimizer state dict's skeleton (identical on every rank), for ``trainer.pt``.
+    The optimizer state is keyed by parameter name (``optim/state/<name>/<key>``), not by torch's
+    position index, so it names what it belongs to. Returns the optimizer state dict's skeleton
+    (identical on every rank), for ``trainer.pt``.
     """
     import torch.distributed.checkpoint as dcp
 
     tensors: dict[str, torch.Tensor] = {}
-    skeleton = _split(opt.state_dict(), "optim", tensors)
+    by_name = _keyed_by_name(opt.state_dict(), _param_names(model, opt))
+    skeleton = _split(by_name, "optim", tensors)
     dcp.save({"model": model.state_dict(), "optim": tensors}, checkpoint_id=str(folder))
     return skeleton
 
@@ -169,21 +225,18 @@ def load_sharded(
 ) -> None:
     """Reads a `save_sharded` checkpoint into the sharded model and the optimizer (every rank).
 
-    Raises ValueError naming the first tensor that does not fit this model or optimizer.
+    Raises ValueError naming the first tensor or parameter that does not fit this model or
+    optimizer (ConfigError, a ValueError, if the model's weights do not match).
     """
     import torch.distributed.checkpoint as dcp
 
-    params = [p for g in opt.param_groups for p in g["params"]]
-    ids = [i for g in skeleton["param_groups"] for i in g["params"]]
-    if len(ids) != len(params):
-        raise ValueError(f"{len(ids)} parameters in the saved optimizer, {len(params)} in this one")
-    by_id = dict(zip(ids, params))
+    names = _param_names(model, opt)
+    params = dict(model.named_parameters())
     tensors: dict[str, torch.Tensor] = {}
     for ph in _placeholders(skeleton):
         key, dtype = ph[_PLACEHOLDER], getattr(torch, ph["dtype"])
         if ph["sharded"]:
-            pid = int(key.split("/")[2])  # optim/state/<param id>/<state key>
-            p = by_id.get(pid)
+            p = params.get(key.split("/")[2])  # optim/state/<param name>/<state key>
             if not isinstance(p, DTensor) or list(p.shape) != ph["shape"]:
                 raise ValueError(f"sharded state {key} {ph['shape']} does not fit its parameter")
             tensors[key] = torch.zeros_like(p, dtype=dtype)
@@ -191,10 +244,8 @@ def load_sharded(
             tensors[key] = torch.empty_strided(ph["shape"], ph["stride"], dtype=dtype)
     state = {"model": model.state_dict(), "optim": tensors}
     dcp.load(state, checkpoint_id=str(folder))
-    missing, unexpected = model.load_state_dict(state["model"], strict=False)
-    if unexpected or [k for k in missing if k in dict(model.named_parameters())]:
-        raise ValueError(f"model does not match (missing {missing[:3]}, unexpected {unexpected[:3]})")
-    opt.load_state_dict(_fill(skeleton, tensors))
+    load_model_weights(model, state["model"], folder)
+    opt.load_state_dict(_keyed_by_index(_fill(skeleton, tensors), names))
 
 
 def dcp_error(e: BaseException) -> str:

@@ -324,7 +324,7 @@ def _preset_of(model: torch.nn.Module) -> str | None:
 def _dtype_name(model: torch.nn.Module, bf16_autocast: bool) -> str | None:
     dtype = next(model.parameters()).dtype
     if dtype == torch.bfloat16:
-        return "bf16"
+        return "bf16-pure"
     if dtype == torch.float32:
         return "bf16-mixed" if bf16_autocast else "fp32"
     return None

@@ -1,10 +1,10 @@
-"""Memory: the analytic estimate (no model is built) and the measured numbers.
+"""Memory: the analytic estimate (no tensor is allocated) and the measured numbers.
 
 Estimate, per rank, in bytes:
 
 - weights: every parameter (and persistent buffer such as SLTrain's sparse index) at its dtype;
 - grads: trainable parameters at the gradient dtype (= parameter dtype);
-- optimizer_state: the method's exact formula per parameter (`optimizers.state_bytes`), which
+- optimizer_state: the method's exact formula per parameter (`MethodSpec.state_bytes`), which
   for each class is the same formula its docstring states and its tests check;
 - activations: saved-for-backward tensors of a LLaMA block with SDPA attention, per token,
   ``(8 h + 4 i)`` elements (norm inputs/outputs, q/k/v, attention output, the four MLP
@@ -12,8 +12,13 @@ Estimate, per rank, in bytes:
   time; plus the logits (``V`` at the activation dtype and in fp32 for the loss). An approximation,
   stated as such.
 
-``dtype`` names the storage precision: ``fp32``; ``bf16`` (pure bf16: weights, grads and states in
-bf16, the paper's setting); ``bf16-mixed`` (fp32 weights/grads/states, bf16 activations).
+The parameter shapes are those of the preset's LlamaForCausalLM built on PyTorch's meta device
+(shapes only, no storage); a factorized target's tensors come from `FactorSpec.param_counts`
+(building SLTrain's random support at 1B shapes would take far longer than the estimate).
+
+``dtype`` names the precision, as ``train.precision`` does (`PRECISIONS`): ``fp32``;
+``bf16-mixed`` (fp32 weights/grads/states, bf16 activations); ``bf16-pure`` (weights, grads and
+states in bf16, the paper's setting).
 Under FSDP2 weights, grads and full-rank states are sharded over ranks, while a projected matrix's
 low-rank moments and basis are computed from the gathered gradient and held whole on every rank
 (optimizers/projected_adam.py), and the 8-bit methods (adamw_8bit, galore_8bit) step gathered tensors and
@@ -27,9 +32,11 @@ or the process's peak RSS on CPU).
 
 from __future__ import annotations
 
+import functools
 import math
 import resource
 import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,46 +44,68 @@ import torch
 
 import optimizers
 from effpretrain.config import ATTN_MLP_TARGETS
-from effpretrain.models.llama import PRESETS
+from effpretrain.models.factorized import FactorSpec, factor_spec
+from effpretrain.models.llama import PRESETS, build_llama_config
 
-DTYPES = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "bf16-mixed": torch.float32,
-    "bf16-pure": torch.bfloat16,
+
+@dataclass(frozen=True)
+class Precision:
+    """Storage dtype of weights, gradients and optimizer state; dtype of the activations."""
+
+    params: torch.dtype
+    activations: torch.dtype
+
+
+#: ``train.precision`` names, the only precision names the estimator knows.
+PRECISIONS: dict[str, Precision] = {
+    "fp32": Precision(torch.float32, torch.float32),
+    "bf16-mixed": Precision(torch.float32, torch.bfloat16),
+    "bf16-pure": Precision(torch.bfloat16, torch.bfloat16),
 }
 
 
-@dataclass
-class ParamSpec:
+def precision(name: str) -> Precision:
+    """The `PRECISIONS` row for `name`; ValueError naming the choices otherwise."""
+    try:
+        return PRECISIONS[name]
+    except KeyError:
+        raise ValueError(f"unknown precision {name!r}; choose one of {', '.join(PRECISIONS)}") from None
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    """One parameter of a model, as `named_parameters` lists it.
+
+    Attributes:
+        name: its fully qualified name.
+        shape: its shape.
+        linear: the attribute name of the nn.Linear whose ``weight`` it is (``q_proj``,
+            ``lm_head``, ...), else None; optimizer and factor targets are matched against it, as
+            the trainer's param groups and `apply_factorization` match module names.
+    """
+
     name: str
     shape: tuple[int, ...]
-    kind: str  # "target" (attention/MLP linear) | "matrix" (embeddings, head) | "vector" (norms)
-    trainable: bool = True
+    linear: str | None
 
 
-def llama_param_specs(preset: str, vocab_size: int | None = None) -> list[ParamSpec]:
-    """The parameters of a preset's LlamaForCausalLM, in its named_parameters order."""
-    p = PRESETS[preset]
-    V, h, i = vocab_size or p.vocab, p.hidden, p.intermediate
-    specs = [ParamSpec("model.embed_tokens.weight", (V, h), "matrix")]
-    for layer in range(p.layers):
-        pre = f"model.layers.{layer}"
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            specs.append(ParamSpec(f"{pre}.self_attn.{proj}.weight", (h, h), "target"))
-        specs.append(ParamSpec(f"{pre}.mlp.gate_proj.weight", (i, h), "target"))
-        specs.append(ParamSpec(f"{pre}.mlp.up_proj.weight", (i, h), "target"))
-        specs.append(ParamSpec(f"{pre}.mlp.down_proj.weight", (h, i), "target"))
-        specs.append(ParamSpec(f"{pre}.input_layernorm.weight", (h,), "vector"))
-        specs.append(ParamSpec(f"{pre}.post_attention_layernorm.weight", (h,), "vector"))
-    specs.append(ParamSpec("model.norm.weight", (h,), "vector"))
-    specs.append(ParamSpec("lm_head.weight", (V, h), "matrix"))
-    return specs
+@functools.lru_cache(maxsize=32)
+def model_param_shapes(preset: str, vocab_size: int | None = None) -> tuple[ParamShape, ...]:
+    """The parameters of a preset's LlamaForCausalLM, in its named_parameters order.
 
+    The model is built on the meta device: shapes without storage or initialisation (llama_1b
+    builds in a few hundredths of a second, after transformers is imported).
+    """
+    from transformers import LlamaForCausalLM
 
-def _is_target(name: str, targets: list[str]) -> bool:
-    parts = name.split(".")
-    return len(parts) >= 2 and parts[-2] in targets
+    with torch.device("meta"):
+        model = LlamaForCausalLM(build_llama_config(preset, vocab_size))
+    out = []
+    for name, p in model.named_parameters():
+        mod_name, _, pname = name.rpartition(".")
+        is_linear = isinstance(model.get_submodule(mod_name), torch.nn.Linear) and pname == "weight"
+        out.append(ParamShape(name, tuple(p.shape), mod_name.rsplit(".", 1)[-1] if is_linear else None))
+    return tuple(out)
 
 
 @dataclass
@@ -127,115 +156,50 @@ def projection_group(optim_cfg: Any) -> dict[str, Any]:
     )
 
 
-def estimate(
-    preset: str,
-    method: str = "adamw",
-    *,
-    dtype: str = "bf16",
-    vocab_size: int | None = None,
-    optim_cfg: Any = None,
-    factor_kind: str = "none",
-    factor_rank: int = 128,
-    density: float = 0.03,
-    factor_targets: list[str] | None = None,
-    batch_size: int = 1,
-    seq_len: int = 256,
-    activation_checkpointing: int = 0,
-    world_size: int = 1,
-    sharding: str = "none",
-) -> Estimate:
-    """Analytic memory of training `preset` with optimizer `method` (see module docstring)."""
-    from effpretrain.config import OptimConfig
+@dataclass
+class _Tally:
+    """Running per-rank totals of the parameter part of an estimate (bytes, except counts)."""
 
-    optim_cfg = optim_cfg or OptimConfig(name=method)
-    targets = list(optim_cfg.targets)
-    factor_targets = list(factor_targets or ATTN_MLP_TARGETS)
-    pdtype = DTYPES[dtype]
-    itemsize = torch.empty((), dtype=pdtype).element_size()
-    act_itemsize = 4 if dtype == "fp32" else 2
-    mspec = optimizers.method_spec(method)
-    projected = mspec.projects
-    proj_group = projection_group(optim_cfg) if projected else {}
+    method: optimizers.MethodSpec
+    dtype: torch.dtype
+    shard: int  # ranks a tensor is split over (1: whole)
+    whole_state: bool  # the method keeps all its state whole on every rank (FSDP2)
+    weights: int = 0
+    grads: int = 0
+    state: int = 0
+    params: int = 0
+    trainable: int = 0
+    index_bytes: int = 0
 
-    # Under FSDP2 each parameter is split on dim 0 into N chunks with torch.chunk's sizes, so
-    # rank 0 holds the largest share: ceil(rows / N) rows of every tensor. Per-rank figures are
-    # rank 0's. Element-wise optimizer state is split like its parameter (scalar terms, such as
-    # torch AdamW's step tensor, stay whole); see `replicated_state` for what is not split.
-    shard = world_size if sharding == "fsdp2" else 1
-    whole_state = shard > 1 and mspec.fsdp2_whole_state
+    def mine(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Rank 0's part of a tensor: torch.chunk gives it ceil(rows / N) rows."""
+        return (-(-shape[0] // self.shard), *shape[1:]) if self.shard > 1 else tuple(shape)
 
-    def mine(shape: tuple[int, ...]) -> tuple[int, ...]:
-        return (-(-shape[0] // shard), *shape[1:]) if shard > 1 else tuple(shape)
+    def stored(self, shape: tuple[int, ...]) -> int:
+        """Bytes of rank 0's part of a `shape` tensor at the storage dtype."""
+        return math.prod(self.mine(shape)) * self.dtype.itemsize
 
-    def dense_state(shape: tuple[int, ...]) -> tuple[int, int]:
-        """(sharded, replicated) state bytes of one non-projected parameter on rank 0."""
-        if whole_state:
-            return 0, mspec.state_bytes(shape, {}, pdtype)
-        return mspec.state_bytes(mine(shape), {}, pdtype), 0
+    def trainable_tensor(self, shape: tuple[int, ...], group: dict[str, Any] | None = None) -> None:
+        """A trainable tensor: its weight, its gradient and its state. Element-wise state is split
+        like its parameter (scalar terms, such as torch AdamW's step tensor, stay whole); a
+        projected tensor's state (`group` given) and a whole-state method's stay whole."""
+        self.weights += self.stored(shape)
+        self.grads += self.stored(shape)
+        whole = group is not None or self.whole_state
+        self.state += self.method.state_bytes(shape if whole else self.mine(shape), group or {}, self.dtype)
 
-    weights = grads = state = params = trainable = index_bytes = 0
-    replicated_state = 0  # projected params' low-rank state and basis: whole on every FSDP2 rank
-    for spec in llama_param_specs(preset, vocab_size):
-        if factor_kind != "none" and spec.kind == "target" and _is_target(spec.name, factor_targets):
-            from effpretrain.models.factorized import factor_spec
 
-            m, n = spec.shape
-            counts = factor_spec(factor_kind).param_counts(m, n, factor_rank, density)
-            for shape in _factor_param_shapes(m, n, factor_rank, counts):
-                numel = math.prod(mine(shape))
-                sharded, whole = dense_state(shape)
-                state, replicated_state = state + sharded, replicated_state + whole
-                weights += numel * itemsize
-                grads += numel * itemsize
-            frozen = counts.get("frozen", 0)
-            if frozen:  # LoRA's W0 (m x n), sharded like any parameter
-                weights += math.prod(mine((m, n))) * itemsize
-            params += counts["trainable"] + frozen
-            trainable += counts["trainable"]
-            index_bytes += counts.get("index_elements", 0) * 8  # a buffer: not sharded
-            continue
-        numel = math.prod(mine(spec.shape))
-        weights += numel * itemsize
-        grads += numel * itemsize
-        params += math.prod(spec.shape)
-        trainable += math.prod(spec.shape)
-        is_proj = projected and spec.kind == "target" and _is_target(spec.name, targets)
-        if is_proj:
-            replicated_state += mspec.state_bytes(spec.shape, proj_group, pdtype)
-        else:
-            sharded, whole = dense_state(spec.shape)
-            state, replicated_state = state + sharded, replicated_state + whole
-    weights += index_bytes
-
-    p = PRESETS[preset]
-    V = vocab_size or p.vocab
-    tokens = batch_size * seq_len
-    per_layer = (8 * p.hidden + 4 * p.intermediate) * tokens * act_itemsize
-    k = activation_checkpointing
-    n_ckpt = 0 if k <= 0 else len(range(0, p.layers, k))
-    acts = (p.layers - n_ckpt) * per_layer + n_ckpt * p.hidden * tokens * act_itemsize
-    if n_ckpt:
-        acts += per_layer  # one checkpointed block is recomputed at a time
-    acts += tokens * (2 * p.hidden * act_itemsize + V * (act_itemsize + 4))
-
-    detail = {
-        "preset": preset,
-        "method": method,
-        "dtype": dtype,
-        "factor": factor_kind,
-        "world_size": world_size,
-        "sharding": sharding,
-        "sparse_index_bytes": index_bytes,
-    }
-    return Estimate(
-        weights=weights,
-        grads=grads,
-        optimizer_state=state + replicated_state,
-        activations=acts,
-        params=params,
-        trainable_params=trainable,
-        detail=detail,
-    )
+def _tally_factorized(t: _Tally, m: int, n: int, spec: FactorSpec, rank: int, density: float) -> int:
+    """Adds one factorized m x n target (B m x r, A r x n, [sparse values], [frozen W0], [index
+    buffer, not sharded]) to `t`; returns its element count."""
+    counts = spec.param_counts(m, n, rank, density)
+    for shape in _factor_param_shapes(m, n, rank, counts):
+        t.trainable_tensor(shape)
+    if counts["frozen"]:  # LoRA's W0 (m x n), sharded like any parameter
+        t.weights += t.stored((m, n))
+    t.index_bytes += counts["index_elements"] * torch.int64.itemsize
+    t.trainable += counts["trainable"]
+    return counts["trainable"] + counts["frozen"]
 
 
 def _factor_param_shapes(m: int, n: int, rank: int, counts: dict[str, int]) -> list[tuple[int, ...]]:
@@ -248,13 +212,111 @@ def _factor_param_shapes(m: int, n: int, rank: int, counts: dict[str, int]) -> l
     return shapes
 
 
+def _tally_params(
+    t: _Tally,
+    shapes: Iterable[ParamShape],
+    proj_group: dict[str, Any] | None,
+    proj_targets: Sequence[str],
+    factor: FactorSpec | None,
+    factor_targets: Sequence[str],
+    factor_rank: int,
+    density: float,
+) -> None:
+    """Adds every parameter to `t`: factorized targets as their factors, projected targets with
+    their whole low-rank state, the rest as dense trainable tensors."""
+    for s in shapes:
+        if factor is not None and s.linear in factor_targets:
+            t.params += _tally_factorized(t, *s.shape, factor, factor_rank, density)
+            continue
+        projected = proj_group is not None and s.linear in proj_targets
+        t.trainable_tensor(s.shape, proj_group if projected else None)
+        t.params += math.prod(s.shape)
+        t.trainable += math.prod(s.shape)
+    t.weights += t.index_bytes  # a buffer: not sharded
+
+
+def activation_bytes(
+    preset: str,
+    vocab_size: int | None,
+    batch_size: int,
+    seq_len: int,
+    activation_checkpointing: int,
+    dtype: torch.dtype,
+) -> int:
+    """Saved activations of one micro-batch (see the module docstring): (8 h + 4 i) per token per
+    block, h for a checkpointed block plus one recomputed block, and the logits at `dtype` and fp32."""
+    p = PRESETS[preset]
+    V, size = vocab_size or p.vocab, dtype.itemsize
+    tokens = batch_size * seq_len
+    per_layer = (8 * p.hidden + 4 * p.intermediate) * tokens * size
+    k = activation_checkpointing
+    n_ckpt = 0 if k <= 0 else len(range(0, p.layers, k))
+    acts = (p.layers - n_ckpt) * per_layer + n_ckpt * p.hidden * tokens * size
+    if n_ckpt:
+        acts += per_layer  # one checkpointed block is recomputed at a time
+    return acts + tokens * (2 * p.hidden * size + V * (size + 4))
+
+
+def estimate(
+    preset: str,
+    method: str = "adamw",
+    *,
+    dtype: str = "bf16-pure",
+    vocab_size: int | None = None,
+    optim_cfg: Any = None,
+    factor_kind: str = "none",
+    factor_rank: int = 128,
+    density: float = 0.03,
+    factor_targets: list[str] | None = None,
+    batch_size: int = 1,
+    seq_len: int = 256,
+    activation_checkpointing: int = 0,
+    world_size: int = 1,
+    sharding: str = "none",
+) -> Estimate:
+    """Analytic memory of training `preset` with optimizer `method` (see module docstring).
+
+    `dtype` is a `PRECISIONS` name. Under FSDP2 each parameter is split on dim 0 into
+    `world_size` chunks with torch.chunk's sizes and the figures are rank 0's (the largest share).
+    """
+    from effpretrain.config import OptimConfig
+
+    optim_cfg = optim_cfg or OptimConfig(name=method)
+    prec = precision(dtype)
+    mspec = optimizers.method_spec(method)
+    shard = world_size if sharding == "fsdp2" else 1
+    t = _Tally(mspec, prec.params, shard, whole_state=shard > 1 and mspec.fsdp2_whole_state)
+    _tally_params(
+        t,
+        model_param_shapes(preset, vocab_size),
+        projection_group(optim_cfg) if mspec.projects else None,
+        list(optim_cfg.targets),
+        factor_spec(factor_kind) if factor_kind != "none" else None,
+        list(factor_targets or ATTN_MLP_TARGETS),
+        factor_rank,
+        density,
+    )
+    acts = activation_bytes(
+        preset, vocab_size, batch_size, seq_len, activation_checkpointing, prec.activations
+    )
+    detail = {
+        "preset": preset,
+        "method": method,
+        "dtype": dtype,
+        "factor": factor_kind,
+        "world_size": world_size,
+        "sharding": sharding,
+        "sparse_index_bytes": t.index_bytes,
+    }
+    return Estimate(t.weights, t.grads, t.state, acts, t.params, t.trainable, detail)
+
+
 def estimate_from_config(cfg: Any, vocab_size: int, world_size: int = 1, sharding: str = "none") -> Estimate:
     """The estimate for a resolved RunConfig (what the trainer stores in summary.json)."""
-    dtype = {"fp32": "fp32", "bf16-mixed": "bf16-mixed", "bf16-pure": "bf16"}[cfg.train.precision]
     return estimate(
         cfg.model.preset,
         cfg.optim.name,
-        dtype=dtype,
+        dtype=cfg.train.precision,
         vocab_size=vocab_size,
         optim_cfg=cfg.optim,
         factor_kind=cfg.factor.kind,
@@ -281,15 +343,8 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
-def current_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.memory_allocated(device))
-    import psutil
-
-    return int(psutil.Process().memory_info().rss)
-
-
-def tensor_bytes(tensors) -> int:
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes the given tensors hold: sum of numel * element size."""
     return sum(t.numel() * t.element_size() for t in tensors)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from effpretrain.checkpoint import load_checkpoint
+from effpretrain.checkpoint import load_checkpoint, load_model_weights
 from effpretrain.config import ConfigError, load_config
 from effpretrain.export import export
 from effpretrain.run_model import build_run_model
@@ -34,9 +34,9 @@ def test_export_round_trips_outputs(recipe, tmp_path):
     train(cfg, tmp_path / "run")
     export(tmp_path / "run", tmp_path / "hf")
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    state = load_checkpoint(tmp_path / "run" / "checkpoints" / "step-3")
+    path = tmp_path / "run" / "checkpoints" / "step-3"
     ours, _ = build_run_model(cfg, 512)
-    ours.load_state_dict(state["model"], strict=False)
+    load_model_weights(ours, load_checkpoint(path)["model"], path)
     ours.eval()
     ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -46,3 +46,13 @@ def test_export_round_trips_outputs(recipe, tmp_path):
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
     with pytest.raises(ConfigError, match="not empty"):
         export(tmp_path / "run", tmp_path / "hf")
+
+
+def test_export_resolves_like_resume(tmp_path):
+    # The same resolver as --resume: a missing path, or a run with no complete checkpoint, is bad input.
+    with pytest.raises(ConfigError, match=r"^export: .*nope does not exist$"):
+        export(tmp_path / "nope", tmp_path / "hf")
+    (tmp_path / "run" / "checkpoints" / "step-2.tmp-1").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"^export: .*run holds no complete checkpoint$"):
+        export(tmp_path / "run", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()

@@ -2,18 +2,47 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from effpretrain.memory import estimate, llama_param_specs
+from effpretrain.memory import PRECISIONS, estimate, estimate_from_config, model_param_shapes
 from effpretrain.models import build_model
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("preset", ["tiny", "llama_20m"])
-def test_param_specs_equal_the_real_model(preset):
+def test_meta_model_shapes_equal_the_real_model(preset):
     model = build_model(preset, vocab_size=1000, max_positions=64)
     real = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    assert real == [(s.name, s.shape) for s in llama_param_specs(preset, 1000)]
+    shapes = model_param_shapes(preset, 1000)
+    assert real == [(s.name, s.shape) for s in shapes]
+    linears = {
+        f"{n}.weight": n.rsplit(".", 1)[-1]
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    }
+    assert {s.name: s.linear for s in shapes if s.linear is not None} == linears
+    assert len(linears) == 7 * len(model.model.layers) + 1  # the attention/MLP targets and lm_head
+
+
+def test_precision_names_are_the_configs():
+    from effpretrain.config import load_config
+
+    cfg = load_config(ROOT / "recipes" / "tiny" / "adamw.yaml", [])
+    by_name = {}
+    for name in PRECISIONS:
+        cfg.train.precision = name
+        by_name[name] = estimate_from_config(cfg, 512)
+        assert by_name[name].detail["dtype"] == name
+    assert by_name["fp32"].weights == by_name["bf16-mixed"].weights == 2 * by_name["bf16-pure"].weights
+    assert by_name["bf16-mixed"].activations == by_name["bf16-pure"].activations < by_name["fp32"].activations
+    with pytest.raises(
+        ValueError, match="unknown precision 'bf16'; choose one of fp32, bf16-mixed, bf16-pure"
+    ):
+        estimate("tiny", dtype="bf16")
 
 
 @pytest.mark.parametrize(
@@ -28,13 +57,13 @@ def test_paper_sizes_param_counts(preset, params_m):
     "preset, gb", [("llama_60m", 0.35), ("llama_130m", 0.81), ("llama_350m", 2.21), ("llama_1b", 8.04)]
 )
 def test_adamw_weights_plus_state_match_paper_table(preset, gb):
-    est = estimate(preset, "adamw", dtype="bf16")
+    est = estimate(preset, "adamw", dtype="bf16-pure")
     assert est.weights_plus_optimizer / 1e9 == pytest.approx(gb, abs=0.01)
 
 
 def test_adamw_formula_is_exact_per_param():
     est = estimate("tiny", "adamw", dtype="fp32", vocab_size=512)
-    n_tensors = len(llama_param_specs("tiny", 512))
+    n_tensors = len(model_param_shapes("tiny", 512))
     # two fp32 moments per element + torch's float32 step scalar per tensor
     assert est.optimizer_state == 2 * 4 * est.params + 4 * n_tensors
     assert est.weights == est.grads == 4 * est.params
@@ -55,7 +84,7 @@ def test_activation_checkpointing_and_sharding_reduce_memory():
 
 
 def test_bf16_halves_weights():
-    assert estimate("tiny", dtype="bf16").weights * 2 == estimate("tiny", dtype="fp32").weights
+    assert estimate("tiny", dtype="bf16-pure").weights * 2 == estimate("tiny", dtype="fp32").weights
     assert torch.finfo(torch.bfloat16).bits == 16
 
 
@@ -72,9 +101,9 @@ def test_weights_plus_state_match_paper(preset, method, rank, target, tol):
     from effpretrain.config import OptimConfig
 
     if method == "lowrank":
-        est = estimate(preset, "adamw", dtype="bf16", factor_kind="lowrank", factor_rank=rank)
+        est = estimate(preset, "adamw", dtype="bf16-pure", factor_kind="lowrank", factor_rank=rank)
     else:
-        est = estimate(preset, method, dtype="bf16", optim_cfg=OptimConfig(name=method, rank=rank))
+        est = estimate(preset, method, dtype="bf16-pure", optim_cfg=OptimConfig(name=method, rank=rank))
     assert abs(est.weights_plus_optimizer - target) / target <= tol
 
 
@@ -85,7 +114,7 @@ def test_galore_state_formula_by_hand():
     h, i, r, V, L = 512, 1376, 128, 32000, 8
     per_layer = 4 * (h * r + 2 * r * h) + 3 * (h * r + 2 * r * i)
     others = 2 * (2 * V * h + (2 * L + 1) * h)  # AdamW moments of embeddings, head, norms
-    est = estimate("llama_60m", "galore", dtype="bf16", optim_cfg=OptimConfig(name="galore", rank=r))
+    est = estimate("llama_60m", "galore", dtype="bf16-pure", optim_cfg=OptimConfig(name="galore", rank=r))
     assert est.optimizer_state == 2 * (L * per_layer + others)
 
 
@@ -105,7 +134,7 @@ def test_fsdp2_per_rank_bytes_by_hand():
     est = estimate(
         "llama_1b",
         "galore",
-        dtype="bf16",
+        dtype="bf16-pure",
         optim_cfg=OptimConfig(name="galore", rank=r),
         world_size=W,
         sharding="fsdp2",

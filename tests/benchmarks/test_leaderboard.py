@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from effpretrain import paper
+
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
@@ -181,16 +183,17 @@ def test_pareto_front():
 
 
 def test_flops_per_token_dense_and_factorized():
+    from effpretrain.flops import flops_per_token
     from effpretrain.models.llama import PRESETS
 
     p = PRESETS["tiny"]
     h, i, L, V, T = p.hidden, p.intermediate, p.layers, 512, 32
     dense = 6 * (L * (4 * h * h + 3 * h * i) + V * h) + 12 * L * h * T  # no embedding lookup cost
-    assert lb.flops_per_token("tiny", V, T) == dense
+    assert flops_per_token("tiny", V, T) == dense
     r = 8
-    low = lb.flops_per_token("tiny", V, T, "lowrank", r)
+    low = flops_per_token("tiny", V, T, "lowrank", r)
     assert low == dense - 6 * L * (4 * h * h + 3 * h * i) + 6 * r * L * (4 * 2 * h + 3 * (h + i))
-    assert lb.flops_per_token("tiny", V, T, "lora", r) == low + 4 * L * (4 * h * h + 3 * h * i)
+    assert flops_per_token("tiny", V, T, "lora", r) == low + 4 * L * (4 * h * h + 3 * h * i)
 
 
 def test_collect_run_reads_summary_metrics_and_config(tmp_path):
@@ -222,7 +225,9 @@ def test_collect_run_reads_summary_metrics_and_config(tmp_path):
     assert row["val_curve"] == [[2048, 148.4], [4096, 99.0]]
     assert row["telemetry"] == {"opt/refreshes": 3, "opt/refresh_s": 0.5}
     assert row["train_s"] == 8.0
-    assert row["flops_per_token"] == lb.flops_per_token("tiny", V, 32)
+    from effpretrain.flops import flops_per_token
+
+    assert row["flops_per_token"] == flops_per_token("tiny", V, 32)
     assert row["hardware"] == lb.cpu_description() and "cores" in row["hardware"]
     assert row["estimated"]["total"] == 5
 
@@ -234,17 +239,35 @@ def test_collect_run_reads_summary_metrics_and_config(tmp_path):
 @pytest.mark.parametrize("method", ["adamw", "galore"])
 def test_paper_memory_within_001_gb(method):
     # GaLore needs optimizers/galore.py: if it cannot be imported the row says n/a and this fails.
-    rows = lb.paper_memory_table([m for m in lb.PAPER_METHODS if m[0] == method])
+    rows = paper.paper_memory_table([m for m in paper.paper_methods() if m[0] == method])
     assert [r["model"] for r in rows] == ["llama_60m", "llama_130m", "llama_350m", "llama_1b"]
     for r in rows:
         assert r["gb"] is not None, f"{method} {r['model']}: {r.get('error')}"
         assert abs(r["gb"] - r["paper_gb"]) <= 0.01, r
 
 
+def test_paper_methods_follow_the_registries():
+    # A method registered at run time is listed with no other edit; factor kinds train with AdamW.
+    import optimizers
+    from effpretrain.models import FACTOR_KINDS
+
+    optimizers.register(optimizers.MethodSpec(name="toy_sgd", target="torch.optim:SGD"))
+    try:
+        rows = paper.paper_methods()
+        assert rows == [(n, n, "none") for n in optimizers.METHODS] + [(k, "adamw", k) for k in FACTOR_KINDS]
+        assert ("toy_sgd", "toy_sgd", "none") in rows and ("spam", "spam", "none") in rows
+    finally:
+        optimizers.unregister("toy_sgd")
+    mini = paper.paper_memory_table([("apollo_mini", "apollo_mini", "none")])
+    assert {r["rank"] for r in mini} == {1}  # the registry's fixed rank, not the size's
+
+
 def test_paper_table_cli_shows_na_for_a_method_that_cannot_load(monkeypatch, capsys):
     # The full method list imports bitsandbytes (slow); the CLI path is the same for any list.
-    methods = [m for m in lb.PAPER_METHODS if m[0] in ("galore", "lowrank")] + [("notyet", "notyet", "none")]
-    monkeypatch.setattr(lb, "PAPER_METHODS", methods)
+    methods = [m for m in paper.paper_methods() if m[0] in ("galore", "lowrank")] + [
+        ("notyet", "notyet", "none")
+    ]
+    monkeypatch.setattr(paper, "paper_methods", lambda: methods)
     assert lb.main(["--paper"]) == 0
     text = capsys.readouterr().out
     assert "| galore | llama_350m | 384 | 1.584 | 1.59 | -0.006 | r384: reproduces" in text
