@@ -12,8 +12,12 @@ time. Per-method test files import the helpers for their own claims (reference m
 from __future__ import annotations
 
 import copy
+import importlib
+import importlib.util
 import io
 import math
+import sys
+import types
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +29,8 @@ import torch
 import optimizers
 from optimizers import projection as proj
 
+#: The reference matches' layout: a tall matrix (right side), a wide one (left side), a vector.
+REF_SHAPES: tuple[tuple[int, ...], ...] = ((24, 16), (12, 20), (7,))
 # A tall matrix (projected on the right side), a wide one (left side), a matrix a projecting method
 # leaves dense (like an embedding), and a vector (a norm or bias: no weight decay).
 SHAPES: tuple[tuple[int, ...], ...] = ((24, 16), (12, 20), (10, 7), (7,))
@@ -49,17 +55,17 @@ def make_params(
     return [torch.nn.Parameter((std * torch.randn(s, generator=gen)).to(dtype)) for s in shapes]
 
 
-def set_grads(
-    params: Sequence[torch.Tensor],
+def make_grads(
+    shapes: Sequence[tuple[int, ...]],
     t: int,
     seed: int = 1000,
-    growth: float = 0.0,
+    growth: float = 0.1,
     spike: tuple[int, int, float] | None = None,
-) -> None:
-    """Deterministic gradients for step index `t` (from 0), in the parameters' dtype.
+) -> list[torch.Tensor]:
+    """Deterministic fp32 gradients for step index `t` (from 0), one per shape.
 
     Args:
-        params: the parameters, in a fixed order (one generator feeds them in turn).
+        shapes: the shapes, in a fixed order (one generator feeds them in turn).
         t: the step index; the generator is seeded with ``seed + t``.
         seed: base seed.
         growth: gradients are scaled by ``1 + growth t`` (growing norms make Fira's and APOLLO's
@@ -68,10 +74,18 @@ def set_grads(
             gradient is multiplied by `factor` (the spikes SPAM and Stable-SPAM clip).
     """
     gen = torch.Generator().manual_seed(seed + t)
-    for p in params:
-        g = torch.randn(p.shape, generator=gen) * (1.0 + growth * t)
+    out = []
+    for shape in shapes:
+        g = torch.randn(shape, generator=gen) * (1.0 + growth * t)
         if spike is not None and t % spike[0] == spike[1]:
             g.view(-1)[t % g.numel()] *= spike[2]
+        out.append(g)
+    return out
+
+
+def set_grads(params: Sequence[torch.Tensor], t: int, **grads: Any) -> None:
+    """Sets ``p.grad`` to `make_grads` (`grads` are its options), in each parameter's dtype."""
+    for p, g in zip(params, make_grads([tuple(p.shape) for p in params], t, **grads)):
         p.grad = g.to(p.dtype)
 
 
@@ -82,6 +96,15 @@ def run(
     for t in range(start, stop):
         set_grads(params, t, **grads)
         opt.step()
+
+
+def reference_groups(params: Sequence[torch.Tensor], rank: int = RANK, **keys: Any) -> list[dict[str, Any]]:
+    """Groups in the reference packages' format (galore-torch, fira, apollo-torch): the first two
+    params projected (``rank``, ``update_proj_gap`` `GAP`, plus `keys`), the rest plain."""
+    return [
+        {"params": list(params[:2]), "rank": rank, "update_proj_gap": GAP, **keys},
+        {"params": list(params[2:])},
+    ]
 
 
 def roundtrip(obj: Any) -> Any:
@@ -113,6 +136,85 @@ def assert_same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], what: str 
         assert torch.equal(x, y), (
             f"{what}: tensor {i} differs by {float((x.float() - y.float()).abs().max())}"
         )
+
+
+def run_beside(
+    opt: torch.optim.Optimizer,
+    params: Sequence[torch.Tensor],
+    ref_opt: torch.optim.Optimizer,
+    ref_params: Sequence[torch.Tensor],
+    steps: int,
+    *,
+    tol: float = 1e-5,
+    relative_to: str = "moved",
+    after: Callable[[int], None] | None = None,
+    **grads: Any,
+) -> None:
+    """A reference match: steps ours and a reference optimizer on the same gradients (`set_grads`
+    with `grads`); after every step each of ours is within `tol` (max-abs) of the reference's
+    tensor, relative to how far the reference has moved from its start (``"moved"``) or to the
+    reference's largest entry (``"weights"``). ``after(t)`` adds the caller's per-step checks."""
+    start = [p.detach().clone() for p in ref_params]
+    for t in range(steps):
+        set_grads(params, t, **grads)
+        set_grads(ref_params, t, **grads)
+        opt.step()
+        ref_opt.step()
+        for i, (a, b, b0) in enumerate(zip(params, ref_params, start, strict=True)):
+            a, b = a.detach(), b.detach()
+            scale = (b - b0) if relative_to == "moved" else b
+            assert float((a - b).abs().max()) <= tol * float(scale.abs().max()), f"step {t + 1}, tensor {i}"
+        if after is not None:
+            after(t)
+
+
+def assert_projected_defaults(opt: torch.optim.Optimizer, scale_key: str = "scale") -> None:
+    """`opt` was built over `reference_groups` with only ``lr=1e-2``: the projected group records
+    the GaLore-family defaults (std sides, scale 1, randomized SVD, the reference Adam settings),
+    the plain group no projection keys."""
+    g0, g1 = opt.param_groups
+    assert g0["project"] is True and g1["project"] is False
+    assert g0["proj_type"] == "std" and g0[scale_key] == 1.0 and g0["basis"] == "randomized_svd"
+    assert "rank" not in g1 and "update_proj_gap" not in g1
+    adam = ("lr", "betas", "eps", "weight_decay", "correct_bias")
+    assert tuple(g0[k] for k in adam) == (1e-2, (0.9, 0.999), 1e-6, 0.0, True)
+
+
+def saved_projected_state(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """The first parameter's state after two steps and a weights_only round trip of the state
+    dict; its counters (``step``, ``refresh``, ``seed``) are checked to be python ints."""
+    run(opt, params, 0, 2)
+    st = roundtrip(opt.state_dict())["state"][0]
+    assert all(type(st[k]) is int for k in ("step", "refresh", "seed"))
+    return st
+
+
+def step_with(opt: torch.optim.Optimizer, p: torch.Tensor, grads: Sequence[torch.Tensor | float]) -> None:
+    """One step per entry of `grads` on the single parameter `p` (a number: a constant gradient)."""
+    for g in grads:
+        p.grad = g if torch.is_tensor(g) else torch.full_like(p, float(g))
+        opt.step()
+
+
+def reference_adamw_step(
+    w: torch.Tensor,
+    g: torch.Tensor,
+    st: dict[str, Any],
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    lr_mult: float = 1.0,
+) -> None:
+    """Textbook decoupled AdamW for the rule transcriptions (written independently of the code
+    under test): ``st`` holds ``m``, ``v`` and the Adam step ``k`` (already advanced)."""
+    b1, b2 = betas
+    w.mul_(1 - lr * weight_decay)
+    st["m"] = b1 * st["m"] + (1 - b1) * g
+    st["v"] = b2 * st["v"] + (1 - b2) * g * g
+    mh = st["m"] / (1 - b1 ** st["k"])
+    vh = st["v"] / (1 - b2 ** st["k"])
+    w -= lr * lr_mult * mh / (vh.sqrt() + eps)
 
 
 def least_squares_losses(
@@ -157,6 +259,31 @@ def least_squares_losses(
     return losses
 
 
+def reference_module(package: str, module: str) -> types.ModuleType:
+    """Imports `package.module` of a reference package without running the package's __init__.
+
+    galore_torch/__init__ imports its 8-bit class and with it bitsandbytes (10-20 s on a small CPU
+    box); its AdamW and its projector need neither.
+    """
+    name = f"{package}.{module}"
+    if name in sys.modules or package in sys.modules:
+        return importlib.import_module(name)
+    spec = importlib.util.find_spec(package)
+    if spec is None:
+        pytest.fail(
+            f"{package} is not installed: the reference tests need the dev extras (pip install -e '.[dev]')"
+        )
+    shell = types.ModuleType(package)
+    shell.__path__ = list(spec.submodule_search_locations or [])
+    sys.modules[package] = shell
+    try:
+        return importlib.import_module(name)
+    finally:
+        # A later real `import package` runs __init__ and reuses the submodules loaded here.
+        if sys.modules.get(package) is shell:
+            del sys.modules[package]
+
+
 # ----------------------------------------------------------------------------- the contract table
 
 
@@ -185,6 +312,8 @@ class Reduction:
             group per matrix) and scale 1.
         tol: the largest absolute difference allowed after every step.
         steps: how many steps are compared.
+        std: the initial weights' scale (fp32 rounding of W + dW grows with it; a second-order
+            difference such as the decay order needs small weights to stay below `tol`).
     """
 
     label: str
@@ -193,6 +322,7 @@ class Reduction:
     basis: str | None = None
     tol: float = 1e-6
     steps: int = 25
+    std: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -213,16 +343,19 @@ class Case:
             methods that need it).
         loss_lr: learning rate of the loss check.
         loss_steps: steps of the loss check, which must end below 5% of the first loss.
+        state_keys: keys every parameter's state must hold (torch's names unless the class is
+            another package's, unchanged).
     """
 
     reduces: tuple[Reduction, ...] | str
     kwargs: Mapping[str, Any] = field(default_factory=dict)
     variants: Mapping[str, Variant] = field(default_factory=lambda: {"default": Variant()})
-    grads: Mapping[str, Any] = field(default_factory=lambda: {"growth": 0.1})
+    grads: Mapping[str, Any] = field(default_factory=dict)
     split: int = GAP
     steps: int = 8
     loss_lr: float = 0.1
     loss_steps: int = 100
+    state_keys: tuple[str, ...] = ("step", "exp_avg", "exp_avg_sq")
 
 
 def param_groups(
@@ -331,7 +464,8 @@ def check_state_bytes(name: str, case: Case, variant: str, dtype: torch.dtype = 
 
 
 def check_state_and_groups(name: str, case: Case, variant: str) -> None:
-    """State holds tensors and ints only; step() never changes param_groups (DESIGN.md 4)."""
+    """State holds tensors and ints only, under the case's key names (torch's: DESIGN.md 7);
+    step() never changes param_groups (DESIGN.md 4)."""
     params = make_params()
     opt = build(name, params, case, variant)
     before = group_options(opt)
@@ -340,6 +474,7 @@ def check_state_and_groups(name: str, case: Case, variant: str) -> None:
     assert len(opt.state) == len(params)
     for st in opt.state.values():
         assert all(torch.is_tensor(v) or type(v) is int for v in st.values()), st
+        assert set(case.state_keys) <= set(st), sorted(st)
 
 
 def check_loss_goes_down(name: str, case: Case) -> None:
@@ -357,11 +492,12 @@ def check_loss_goes_down(name: str, case: Case) -> None:
     assert losses[-1] < 0.05 * losses[0], (losses[0], losses[-1])
 
 
-def check_reduces_to_adamw(name: str, red: Reduction) -> None:
+def check_reduces_to_adamw(name: str, red: Reduction, grads: Mapping[str, Any] | None = None) -> None:
     """Under `red`'s settings the method is torch.optim.AdamW (foreach=False) within `red.tol`
-    after every step, on every parameter."""
+    after every step, on every parameter (gradients from `set_grads` with `grads`, e.g. the
+    case's spikes, which must then pass unclipped)."""
     spec = optimizers.method_spec(name)
-    ours, ref = make_params(), make_params()
+    ours, ref = make_params(std=red.std), make_params(std=red.std)
     wd = red.adam.get("weight_decay", 0.0)
     if spec.projects:
         assert red.basis is not None, "a projecting method reduces with a full-rank basis"
@@ -385,8 +521,8 @@ def check_reduces_to_adamw(name: str, red: Reduction) -> None:
     ]
     ref_opt = torch.optim.AdamW(ref_groups, **{**red.adam, "foreach": False})
     for t in range(red.steps):
-        set_grads(ours, t, growth=0.1)
-        set_grads(ref, t, growth=0.1)
+        set_grads(ours, t, **(grads or {}))
+        set_grads(ref, t, **(grads or {}))
         opt.step()
         ref_opt.step()
         for i, (a, b) in enumerate(zip(ours, ref)):

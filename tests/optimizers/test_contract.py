@@ -46,7 +46,12 @@ _PROJECTED_ADAM = (
         steps=6,
     ),
     Reduction(
-        "reference_convention_eps0", {"lr": 1e-3, "eps": 0.0, "weight_decay": 0.01}, {}, "identity", steps=6
+        "reference_convention_eps0",
+        {"lr": 1e-3, "eps": 0.0, "weight_decay": 0.01},
+        {},
+        "identity",
+        steps=6,
+        std=0.02,  # LLaMA's init scale, where the decay-order term stays far below the tolerance
     ),
 )
 _SVD_FAMILY = {
@@ -56,8 +61,8 @@ _SVD_FAMILY = {
 }
 _ADAMW = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
 # Spikes (x300 / x1000 on one entry every few steps) so that the clipping rules act.
-_STABLE_SPAM_GRADS = {"seed": 1000, "spike": (7, 3, 300.0)}
-_SPAM_GRADS = {"seed": 2000, "spike": (5, 2, 1000.0)}
+_STABLE_SPAM_GRADS = {"seed": 1000, "growth": 0.0, "spike": (7, 3, 300.0)}
+_SPAM_GRADS = {"seed": 2000, "growth": 0.0, "spike": (5, 2, 1000.0)}
 
 CASES: dict[str, Case] = {
     "adamw": Case(reduces=(Reduction("registry_defaults", _ADAMW),)),
@@ -65,6 +70,7 @@ CASES: dict[str, Case] = {
         # Tensors below min_8bit_size keep fp32 moments: bitsandbytes' fp32 AdamW is torch's.
         reduces=(Reduction("fp32_moments", _ADAMW, {"min_8bit_size": 10**9}),),
         variants={"8bit": Variant(kwargs={"min_8bit_size": 0}), "fp32_small": Variant()},
+        state_keys=("step", "state1", "state2"),  # bitsandbytes' class, unchanged
     ),
     "stable_spam": Case(
         reduces=(
@@ -189,7 +195,7 @@ def test_loss_goes_down_on_least_squares(name: str) -> None:
 
 @pytest.mark.parametrize("name,reduction", REDUCTIONS)
 def test_reduces_to_torch_adamw(name: str, reduction: Reduction) -> None:
-    check_reduces_to_adamw(name, reduction)
+    check_reduces_to_adamw(name, reduction, CASES[name].grads)
 
 
 @pytest.mark.parametrize("name", PROJECTED)
