@@ -81,6 +81,7 @@ CASES: dict[str, Case] = {
             ),
         ),
         kwargs={"reset_interval": 5},  # resets at steps 5, 10, 15; annealed over 16 steps
+        loss_lr=0.1,
         grads=_STABLE_SPAM_GRADS,
         split=4,
         steps=16,
@@ -92,7 +93,7 @@ CASES: dict[str, Case] = {
         split=4,
         steps=16,
     ),
-    "galore": Case(reduces=_PROJECTED_ADAM, variants=_SVD_FAMILY, loss_lr=0.3),
+    "galore": Case(reduces=_PROJECTED_ADAM, variants=_SVD_FAMILY, loss_lr=0.5),
     "galore_8bit": Case(
         # Moments below min_8bit_size stay fp32: then it is GaLore (torch convention, its default).
         reduces=(
@@ -105,24 +106,24 @@ CASES: dict[str, Case] = {
             ),
         ),
         variants={"8bit": Variant(kwargs={"min_8bit_size": 0}), "fp32_small": Variant()},
-        loss_lr=0.3,
+        loss_lr=0.5,
     ),
     "fira": Case(
         # With the full basis the residual G - back(R) is exactly 0.
         reduces=_PROJECTED_ADAM,
         variants=_SVD_FAMILY,
-        loss_lr=0.2,
+        loss_lr=0.3,
     ),
     "apollo": Case(
         reduces="does not reduce: the update is the raw gradient scaled per channel by ||N_c|| / ||R_c||, "
         "not Adam's element-wise N, whatever the basis",
         variants={"mix": Variant(), "apollo_torch_stream": Variant(kwargs={"random_stream": "apollo_torch"})},
-        loss_lr=0.3,
+        loss_lr=0.5,
     ),
     "apollo_mini": Case(
         reduces="does not reduce: rank 1 and one tensor-wide scale of the raw gradient",
         variants={"mix": Variant(), "apollo_torch_stream": Variant(kwargs={"random_stream": "apollo_torch"})},
-        loss_lr=0.5,
+        loss_lr=0.8,
     ),
 }
 
