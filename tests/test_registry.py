@@ -10,11 +10,10 @@ estimate) and run through the optimizer contract's checks (tests/optimizers/harn
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
+import harness  # tests/optimizers/harness.py (on the path via tests/conftest.py)
 import pytest
 import torch
 
@@ -23,10 +22,6 @@ from effpretrain.config import ConfigError, OptimConfig, load_config
 from effpretrain.memory import estimate
 from effpretrain.trainer import train
 from optimizers.galore import GaLoreAdamW
-
-# The contract's checks live beside the optimizer tests (one harness for both).
-sys.path.insert(0, str(Path(__file__).resolve().parent / "optimizers"))
-import harness  # noqa: E402
 
 
 class ToySGD(torch.optim.Optimizer):

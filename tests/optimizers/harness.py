@@ -125,6 +125,13 @@ def snapshot(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
     return {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()}
 
 
+def assert_same_state(got: Mapping[str, Any], want: Mapping[str, Any]) -> None:
+    """One parameter's state, key by key: tensors bitwise, numbers equal."""
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(got[k], v) if torch.is_tensor(v) else got[k] == v, k
+
+
 def group_options(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """A deep copy of every param group without its params."""
     return copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
@@ -438,6 +445,8 @@ def check_resume(name: str, case: Case, variant: str, dtype: torch.dtype = torch
         assert {k: v.dtype for k, v in opt2.state[q].items() if torch.is_tensor(v)} == want
     _run_case(opt2, resumed, case, case.split, case.steps)
     assert_same(straight, resumed, what=f"{name}/{variant}: resumed after {case.split} steps")
+    for p, q in zip(straight, resumed):  # the counters (step, refresh, seeds) and tensors too
+        assert_same_state(opt2.state[q], opt.state[p])
     if optimizers.method_spec(name).projects:
         assert opt2.refresh_count > 0, "the resumed half must refresh the basis"
 
@@ -561,7 +570,8 @@ def check_zero_gradient_dummy_step(name: str, case: Case) -> None:
     _run_case(opt, params, case, 0, GAP + 1)
     _run_case(fresh, fresh_params, case, 0, GAP + 1)
     assert_same(params, fresh_params, what="after a dummy first step")
-    assert opt.refresh_count == fresh.refresh_count > 0
+    projected = sum(len(g["params"]) for g in opt.param_groups if g["project"])
+    assert opt.refresh_count == fresh.refresh_count == 2 * projected  # steps 1 and GAP + 1
     _run_case(opt, params, case, GAP + 1, 2 * GAP)  # the next real step, 2 GAP + 1, refreshes
     _run_case(fresh, fresh_params, case, GAP + 1, 2 * GAP)
     weights = [p.detach().clone() for p in params]
@@ -571,9 +581,7 @@ def check_zero_gradient_dummy_step(name: str, case: Case) -> None:
     assert opt.refresh_count == count
     assert_same(params, weights, what="weights after a mid-run dummy step")
     for p, before in zip(params, states):
-        assert opt.state[p].keys() == before.keys()
-        for k, v in before.items():
-            assert torch.equal(opt.state[p][k], v) if torch.is_tensor(v) else opt.state[p][k] == v, k
+        assert_same_state(opt.state[p], before)
     _run_case(opt, params, case, 2 * GAP, case.steps)
     _run_case(fresh, fresh_params, case, 2 * GAP, case.steps)
     assert_same(params, fresh_params, what="after a mid-run dummy step")
