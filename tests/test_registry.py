@@ -90,6 +90,7 @@ CASES = {
             ),
         ),
         loss_lr=0.5,
+        loss_steps=50,
     ),
 }
 

@@ -362,9 +362,9 @@ class Case:
     variants: Mapping[str, Variant] = field(default_factory=lambda: {"default": Variant()})
     grads: Mapping[str, Any] = field(default_factory=dict)
     split: int = GAP + 2
-    steps: int = 8
+    steps: int = 2 * GAP + 1
     loss_lr: float = 0.2
-    loss_steps: int = 50
+    loss_steps: int = 30
     state_keys: tuple[str, ...] = ("step", "exp_avg", "exp_avg_sq")
 
 
@@ -466,8 +466,9 @@ def check_state_bytes(name: str, case: Case, variant: str, dtype: torch.dtype = 
         plain = {**plain_kw, **{k: v for k, v in plain.items() if k != "params"}}
         for p in group["params"]:
             real = state_bytes_of(opt, p)
-            assert real == spec.state_bytes(tuple(p.shape), group, dtype), f"{tuple(p.shape)} recorded group"
-            assert real == spec.state_bytes(tuple(p.shape), plain, dtype), f"{tuple(p.shape)} plain group"
+            where = f"{variant}, {dtype}, {tuple(p.shape)}"
+            assert real == spec.state_bytes(tuple(p.shape), group, dtype), f"{where}: recorded group"
+            assert real == spec.state_bytes(tuple(p.shape), plain, dtype), f"{where}: plain group"
             total += real
     assert optimizers.measured_state_bytes(opt) == total
     assert total > 0
@@ -597,7 +598,7 @@ def check_refresh_schedule(name: str, case: Case, variant: str) -> None:
     assert [id(p) for p in projected] == [id(p) for p in params[:2]]
     _run_case(opt, params, case, 0, 2 * GAP + 1)
     assert [opt.state[p]["refresh"] for p in projected] == [3] * len(projected)
-    assert opt.refresh_count == 3 * len(projected) and opt.failed_refreshes == 0
+    assert opt.refresh_count == 3 * len(projected) and opt.failed_refreshes == 0, variant
     if case.variants[variant].basis != "random":
         # A basis="random" request is regenerated every step from (seed, refresh): ProjectedAdam
         # does not time it as a refresh (APOLLO's own random projection, its default, is timed).

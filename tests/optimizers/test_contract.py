@@ -80,20 +80,21 @@ CASES: dict[str, Case] = {
                 {"adaptive_clip": False, "norm_scaling": False, "reset_interval": 0, "total_steps": None},
             ),
         ),
-        kwargs={"reset_interval": 5},  # resets at steps 5, 10, 15; annealed over 16 steps
-        loss_lr=0.1,
+        kwargs={"reset_interval": 5},  # resets at steps 5 and 10; annealed over 11 steps
+        loss_lr=0.2,
         grads=_STABLE_SPAM_GRADS,
         split=4,
-        steps=16,
+        steps=11,
     ),
     "spam": Case(
         reduces=(Reduction("features_off", _ADAMW, {"threshold": 0.0, "reset_interval": 0}),),
         kwargs={"reset_interval": 5, "warmup_steps": 3, "clip_delay": 1, "threshold": 50.0},
         grads=_SPAM_GRADS,
         split=4,
-        steps=16,
+        steps=11,
+        loss_steps=50,  # the re-warm after each reset slows it
     ),
-    "galore": Case(reduces=_PROJECTED_ADAM, variants=_SVD_FAMILY, loss_lr=0.5),
+    "galore": Case(reduces=_PROJECTED_ADAM, variants=_SVD_FAMILY, loss_lr=0.5, loss_steps=50),
     "galore_8bit": Case(
         # Moments below min_8bit_size stay fp32: then it is GaLore (torch convention, its default).
         reduces=(
@@ -107,23 +108,24 @@ CASES: dict[str, Case] = {
         ),
         variants={"8bit": Variant(kwargs={"min_8bit_size": 0}), "fp32_small": Variant()},
         loss_lr=0.5,
+        loss_steps=50,
     ),
     "fira": Case(
         # With the full basis the residual G - back(R) is exactly 0.
         reduces=_PROJECTED_ADAM,
         variants=_SVD_FAMILY,
-        loss_lr=0.3,
+        loss_lr=0.5,
     ),
     "apollo": Case(
         reduces="does not reduce: the update is the raw gradient scaled per channel by ||N_c|| / ||R_c||, "
         "not Adam's element-wise N, whatever the basis",
         variants={"mix": Variant(), "apollo_torch_stream": Variant(kwargs={"random_stream": "apollo_torch"})},
-        loss_lr=0.5,
+        loss_lr=0.8,
     ),
     "apollo_mini": Case(
         reduces="does not reduce: rank 1 and one tensor-wide scale of the raw gradient",
         variants={"mix": Variant(), "apollo_torch_stream": Variant(kwargs={"random_stream": "apollo_torch"})},
-        loss_lr=0.8,
+        loss_lr=1.0,
     ),
 }
 
@@ -178,10 +180,10 @@ def test_resume_across_a_refresh_or_reset_is_bitwise_exact(
     check_resume(name, _case(name), variant, dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name,variant", _variants())
-def test_state_bytes_equal_the_registry_formula(name: str, variant: str, dtype: torch.dtype) -> None:
-    check_state_bytes(name, _case(name), variant, dtype)
+def test_state_bytes_equal_the_registry_formula(name: str, variant: str) -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        check_state_bytes(name, _case(name), variant, dtype)
 
 
 @pytest.mark.parametrize("name,variant", _variants())
@@ -204,9 +206,10 @@ def test_zero_gradient_dummy_step_computes_no_basis_and_keeps_the_schedule(name:
     check_zero_gradient_dummy_step(name, _case(name))
 
 
-@pytest.mark.parametrize("name,variant", [p for p in _variants() if p.values[0] in PROJECTED])
-def test_refresh_schedule_and_telemetry(name: str, variant: str) -> None:
-    check_refresh_schedule(name, _case(name), variant)
+@pytest.mark.parametrize("name", PROJECTED)
+def test_refresh_schedule_and_telemetry(name: str) -> None:
+    for variant in _case(name).variants:
+        check_refresh_schedule(name, _case(name), variant)
 
 
 @pytest.mark.parametrize("name", PROJECTED)
