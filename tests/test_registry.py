@@ -77,7 +77,7 @@ TOY_PROJECTED = optimizers.MethodSpec(
 #: How the contract runs the toys (a new method's row in tests/optimizers/test_contract.py).
 CASES = {
     "toy_sgd": harness.Case(
-        reduces="does not reduce: SGD keeps no second moment", state_keys=("momentum_buffer",), loss_lr=0.05
+        reduces="does not reduce: SGD keeps no second moment", state_keys=("momentum_buffer",), loss_lr=0.15
     ),
     "toy_projected": harness.Case(
         reduces=(
