@@ -1,10 +1,18 @@
-"""Shared fixtures: one tokenizer cache per test session, tiny fast configs."""
+"""Shared fixtures: one tokenizer cache per test session, tiny fast configs.
+
+The shared optimizer-test helpers and contract checks are in tests/optimizers/harness.py; its
+folder is put on the import path here so that any test module can ``import harness``.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "optimizers"))
 
 
 @pytest.fixture(scope="session", autouse=True)

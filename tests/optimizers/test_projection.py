@@ -2,32 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import types
 import warnings
 
 import pytest
 import torch
+from harness import reference_module
 
 from optimizers import projection as proj
-
-
-def _galore_projector_module() -> types.ModuleType:
-    """galore_torch/galore_projector.py loaded on its own (it imports only torch).
-
-    Importing the galore_torch package would load bitsandbytes (10-20 s on a small CPU box).
-    """
-    spec = importlib.util.find_spec("galore_torch")
-    if spec is None:
-        pytest.fail(
-            "galore-torch is not installed: the reference tests need the dev extras (pip install -e '.[dev]')"
-        )
-    path = os.path.join(list(spec.submodule_search_locations or [])[0], "galore_projector.py")
-    file_spec = importlib.util.spec_from_file_location("_galore_projector_reference", path)
-    module = importlib.util.module_from_spec(file_spec)
-    file_spec.loader.exec_module(module)
-    return module
 
 
 def _low_rank_plus_noise(m: int, n: int, rank: int, noise: float, seed: int = 0) -> torch.Tensor:
@@ -81,7 +62,7 @@ def test_side_rule_matches_galore_torch() -> None:
 @pytest.mark.parametrize("proj_type", ["std", "reverse_std", "right", "left", "full"])
 @pytest.mark.parametrize("shape", [(30, 20), (20, 30)])
 def test_svd_projection_equals_galore_torch(proj_type: str, shape: tuple[int, int]) -> None:
-    GaLoreProjector = _galore_projector_module().GaLoreProjector  # noqa: N806
+    GaLoreProjector = reference_module("galore_torch", "galore_projector").GaLoreProjector  # noqa: N806
 
     g = torch.randn(shape, generator=torch.Generator().manual_seed(2))
     ref = GaLoreProjector(5, update_proj_gap=10, scale=1.0, proj_type=proj_type)

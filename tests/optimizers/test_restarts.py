@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import io
 import warnings
 from types import SimpleNamespace
 
 import pytest
 import torch
+from harness import roundtrip
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -108,10 +108,7 @@ def test_state_dict_round_trip_weights_only():
     opt = Restarts(torch.optim.AdamW(model.parameters(), lr=1e-2), model.pairs, every=2)
     for i in range(5):
         _train_step(model, opt, i)
-    buf = io.BytesIO()
-    torch.save(opt.state_dict(), buf)
-    buf.seek(0)
-    sd = torch.load(buf, weights_only=True)
+    sd = roundtrip(opt.state_dict())
     assert sd["restarts"] == {"step": 5, "count": 2}
     other = Restarts(torch.optim.AdamW(model.parameters(), lr=1e-2), model.pairs, every=2)
     other.load_state_dict(sd)
@@ -131,13 +128,6 @@ def _setup(seed: int, every: int = 4, recovery: int = 2):
     return model, opt, sched
 
 
-def _save_load(obj: dict) -> dict:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
-
-
 def test_resume_across_a_restart_boundary_is_bitwise_exact():
     model, opt, sched = _setup(0)
     for i in range(11):
@@ -146,7 +136,7 @@ def test_resume_across_a_restart_boundary_is_bitwise_exact():
     first, opt1, sched1 = _setup(0)
     for i in range(6):
         _train_step(first, opt1, i, sched1)
-    ckpt = _save_load({"model": first.state_dict(), "opt": opt1.state_dict(), "sched": sched1.state_dict()})
+    ckpt = roundtrip({"model": first.state_dict(), "opt": opt1.state_dict(), "sched": sched1.state_dict()})
     second, opt2, sched2 = _setup(1)  # different init: everything must come from the checkpoint
     second.load_state_dict(ckpt["model"])
     opt2.load_state_dict(ckpt["opt"])
