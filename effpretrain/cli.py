@@ -185,16 +185,11 @@ def cmd_estimate(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from effpretrain.checkpoint import find_resume, load_checkpoint
+    from effpretrain.checkpoint import load_checkpoint, resolve_checkpoint
     from effpretrain.config import apply_overrides, from_dict, validate
     from effpretrain.trainer import Trainer
 
-    path = (
-        find_resume(Path(args.checkpoint), "auto")
-        if (Path(args.checkpoint) / "checkpoints").is_dir()
-        else None
-    )
-    path = path or Path(args.checkpoint)
+    path = resolve_checkpoint(args.checkpoint, "eval")
     state = load_checkpoint(path)
     cfg = validate(
         apply_overrides(from_dict(state["trainer"]["config"], str(path)), args.overrides), str(path)
@@ -204,15 +199,12 @@ def cmd_eval(args) -> int:
         # fresh trainer (an empty scratch folder: nothing of the run is touched).
         import tempfile
 
-        from effpretrain.checkpoint import read_model_state
+        from effpretrain.checkpoint import load_model_weights, read_model_state
 
         weights = read_model_state(path, state)
         with tempfile.TemporaryDirectory() as scratch:
             trainer = Trainer(cfg, Path(scratch))
-            model = trainer.acc.unwrap_model(trainer.model)
-            missing, unexpected = model.load_state_dict(weights, strict=False)
-            if unexpected or [k for k in missing if k in dict(model.named_parameters())]:
-                raise ConfigError(f"eval: checkpoint {path} does not match its config's model")
+            load_model_weights(trainer.acc.unwrap_model(trainer.model), weights, path)
             trainer.progress.step = int(state["trainer"]["step"])
             loss, ppl = trainer.evaluate()
     else:

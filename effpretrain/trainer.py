@@ -392,10 +392,8 @@ class Trainer:
                 path = ckpt.save_checkpoint(
                     root,
                     self.progress.step,
-                    None,
-                    None,
-                    trainer_state,
-                    dump_yaml(self.cfg),
+                    trainer_state=trainer_state,
+                    config_yaml=dump_yaml(self.cfg),
                     keep=self.cfg.train.keep_checkpoints,
                     tmp=tmp,
                 )
@@ -403,10 +401,10 @@ class Trainer:
             path = ckpt.save_checkpoint(
                 root,
                 self.progress.step,
-                self.acc.unwrap_model(self.model).state_dict(),
-                self.inner_opt.state_dict(),
-                trainer_state,
-                dump_yaml(self.cfg),
+                model_state=self.acc.unwrap_model(self.model).state_dict(),
+                optimizer_state=self.inner_opt.state_dict(),
+                trainer_state=trainer_state,
+                config_yaml=dump_yaml(self.cfg),
                 keep=self.cfg.train.keep_checkpoints,
             )
         if path is not None:
@@ -458,12 +456,7 @@ class Trainer:
                     f"checkpoint {path}: sharded state unreadable or does not match ({fsdp.dcp_error(e)})"
                 ) from None
         else:
-            missing, unexpected = model.load_state_dict(state["model"], strict=False)
-            # Non-persistent buffers (rotary inv_freq) are rebuilt, not saved.
-            if unexpected or [k for k in missing if k in dict(model.named_parameters())]:
-                raise ConfigError(
-                    f"checkpoint {path} does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
-                )
+            ckpt.load_model_weights(model, state["model"], path)
             try:
                 self.inner_opt.load_state_dict(state["optimizer"])
             except (ValueError, KeyError, RuntimeError) as e:
