@@ -142,7 +142,8 @@ def plan_runs(
     Returns:
         The runs, in recipe order then seed order.
     """
-    from effpretrain.config import ConfigError, config_hash, load_config
+    from effpretrain.config import config_hash, load_config
+    from effpretrain.errors import ConfigError
 
     wanted = set(methods) if methods is not None else None
     specs: list[RunSpec] = []
@@ -414,7 +415,7 @@ def _vocab_size(summary: dict[str, Any], cfg: Any) -> int:
     f = cfg.factor
     one = estimate(
         cfg.model.preset,
-        "adamw",
+        BASELINE,  # any method: parameter counts do not depend on it
         vocab_size=1,
         factor_kind=f.kind,
         factor_rank=f.rank,

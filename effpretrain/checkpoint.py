@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from effpretrain.config import ConfigError
+from effpretrain.errors import ConfigError
 
 log = logging.getLogger("effpretrain")
 MARKER = "COMPLETE"

@@ -145,7 +145,7 @@ def cmd_estimate(args) -> int:
     method = args.method.removesuffix("_restarts")
     factor = "none"
     if method in FACTOR_KINDS:
-        factor, method = method, "adamw"
+        factor, method = method, OptimConfig().name  # factors train with the default optimizer
     import optimizers
 
     if method not in optimizers.METHODS:

@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from effpretrain.config import ConfigError, DataConfig
+from effpretrain.config import DataConfig
+from effpretrain.errors import ConfigError
 
 log = logging.getLogger("effpretrain")
 

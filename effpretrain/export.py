@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from effpretrain.checkpoint import load_checkpoint, load_model_weights, read_model_state, resolve_checkpoint
-from effpretrain.config import ConfigError, from_dict, validate
+from effpretrain.config import from_dict, validate
+from effpretrain.errors import ConfigError
 
 log = logging.getLogger("effpretrain")
 

@@ -35,7 +35,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from effpretrain.checkpoint import load_model_weights
-from effpretrain.config import ConfigError
+from effpretrain.errors import ConfigError
 from optimizers._sharded import local, sum_squares_fp64
 
 

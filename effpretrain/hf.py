@@ -130,7 +130,7 @@ def build_run_config(
     that depend on it (ReLoRA merges, which pairs are refactorized) apply unchanged.
 
     Raises:
-        effpretrain.config.ConfigError (a ValueError): a value out of range or an unknown method,
+        effpretrain.errors.ConfigError (a ValueError): a value out of range or an unknown method,
             naming the config key and the choices.
     """
     cfg = RunConfig(

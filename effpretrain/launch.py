@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from effpretrain.config import ConfigError, RunConfig
+from effpretrain.config import RunConfig
+from effpretrain.errors import ConfigError
 
 
 def make_accelerator(cfg: RunConfig, out_dir: Path) -> Any:

@@ -14,7 +14,8 @@ import torch
 
 import optimizers
 from effpretrain import memory
-from effpretrain.config import ConfigError, RunConfig
+from effpretrain.config import RunConfig
+from effpretrain.errors import ConfigError
 
 # ----------------------------------------------------------------------------------------------
 # Schedule

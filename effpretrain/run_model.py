@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from effpretrain.config import ConfigError, RunConfig
+from effpretrain.config import RunConfig
+from effpretrain.errors import ConfigError
 from effpretrain.models import build_model
 
 

@@ -25,7 +25,8 @@ import optimizers
 from effpretrain import checkpoint as ckpt
 from effpretrain import data as data_mod
 from effpretrain import fsdp, memory
-from effpretrain.config import ConfigError, RunConfig, dump_yaml, to_dict
+from effpretrain.config import RunConfig, dump_yaml, to_dict
+from effpretrain.errors import ConfigError
 from effpretrain.launch import check_launch, make_accelerator
 from effpretrain.loss import token_loss_sum
 from effpretrain.models import set_activation_checkpointing
