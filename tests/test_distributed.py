@@ -10,16 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_helpers import COMMON, final, rel_diff, run_worker_pair
+from distributed_helpers import COMMON, final, registry_recipes, rel_diff, run_worker_pair
 
 from effpretrain.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
-# Issue #5's six, then every other method, so that DDP parity covers each registered optimizer and
-# factorized kind (DDP needs nothing method-specific: gradients are all-reduced before the step).
-METHODS = ["adamw", "galore", "fira", "apollo", "lowrank_restarts", "sltrain"] + [
-    "apollo_mini", "spam", "stable_spam", "adamw_8bit", "galore_8bit", "lora", "relora",
-]  # fmt: skip
+# Every registered optimizer and factorized kind (DDP needs nothing method-specific: gradients are
+# all-reduced before the step), read from the registries.
+METHODS = registry_recipes()
+# A projection refresh and a restart (refactorization + momentum reset) inside the resumed half.
 RESUME_METHODS = ["galore", "lowrank_restarts"]
 
 WORKER = textwrap.dedent(

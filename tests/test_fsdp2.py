@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_helpers import COMMON, final, rel_diff, run_worker_pair
+from distributed_helpers import COMMON, final, registry_recipes, rel_diff, run_worker_pair
+
+import optimizers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,45 +32,22 @@ ROOT = Path(__file__).resolve().parent.parent
 # and clip coefficient, and the projection bases and refactorization SVDs see the same inputs.
 NO_CLIP: list[str] = []
 CASES = {
-    "adamw": (
-        "adamw",
-        ["train.batch_size=2"],
-        ["train.batch_size=2", "train.grad_accum=2", "train.eval_batches=4"],
-    ),
+    # Accumulation: gradients of the earlier micro-steps stay unsharded (no reduce-scatter).
     "adamw-accum": (
         "adamw",
         ["train.batch_size=1", "train.grad_accum=2"],
         ["train.batch_size=1", "train.grad_accum=4", "train.eval_batches=4"],
     ),
-    "lowrank_restarts": (
-        "lowrank_restarts",
-        ["train.batch_size=2", *NO_CLIP],
-        ["train.batch_size=2", "train.grad_accum=2", "train.eval_batches=4", *NO_CLIP],
-    ),
-    "sltrain": (
-        "sltrain",
-        ["train.batch_size=2", *NO_CLIP],
-        ["train.batch_size=2", "train.grad_accum=2", "train.eval_batches=4", *NO_CLIP],
-    ),
-    # Projection methods: the basis (an SVD) amplifies rounding like refactorization does.
+    # Every registered optimizer and factor kind (from the registries): element-wise methods step
+    # their shards, Stable-SPAM reduces its whole-tensor statistics, projection methods and the
+    # 8-bit ones step the gathered matrix, factor kinds refactorize / merge whole tensors.
     **{
         m: (
             m,
             ["train.batch_size=2", *NO_CLIP],
             ["train.batch_size=2", "train.grad_accum=2", "train.eval_batches=4", *NO_CLIP],
         )
-        for m in ("galore", "fira", "apollo")
-    },
-    # The other methods: APOLLO-Mini (projected, rank 1), SPAM (element-wise on shards),
-    # Stable-SPAM (whole-tensor max|G| and ||G|| by all-reduce), the 8-bit ones (stepped on the
-    # gathered tensor), LoRA (frozen W0 sharded too) and ReLoRA (merges on whole tensors).
-    **{
-        m: (
-            m,
-            ["train.batch_size=2"],
-            ["train.batch_size=2", "train.grad_accum=2", "train.eval_batches=4"],
-        )
-        for m in ("apollo_mini", "spam", "stable_spam", "adamw_8bit", "galore_8bit", "lora", "relora")
+        for m in registry_recipes()
     },
 }
 # Resumed under 2 FSDP2 processes: restarts on sharded factors; GaLore-8bit (whole projected
@@ -148,10 +127,11 @@ def test_fsdp2_two_processes_equal_one_process_at_same_global_batch(name, runs):
     # projected (low-rank) state of galore/fira/apollo is replicated, the rest is sharded, except
     # the 8-bit methods', which is whole on every rank. The estimator predicts it exactly.
     assert two["grad_bytes"] < 0.6 * one["grad_bytes"]
-    if name in ("adamw_8bit", "galore_8bit"):
+    spec = optimizers.METHODS[two["optimizer"]]
+    if spec.fsdp2_whole_state:
         assert two["optimizer_state_bytes"] == one["optimizer_state_bytes"]
     else:
-        projected = name in ("galore", "fira", "apollo", "apollo_mini")
+        projected = spec.projects
         assert two["optimizer_state_bytes"] < (0.8 if projected else 0.6) * one["optimizer_state_bytes"]
     assert two["optimizer_state_bytes"] == two["estimated"]["optimizer_state"], "per-rank estimate"
 
@@ -239,10 +219,9 @@ def test_eval_of_an_fsdp2_checkpoint_in_one_process(runs, capsys):
 
 
 def test_every_method_has_an_fsdp2_parity_case():
-    """All registered optimizers and factorized kinds run under FSDP2 and are checked above."""
+    """All registered optimizers and factorized kinds run under FSDP2 and are checked above: the
+    tiny recipe each registry row names really trains that optimizer or kind."""
     import yaml
-
-    import optimizers
 
     covered = {(c[0]) for c in CASES.values()}
     recipes = {m: yaml.safe_load((ROOT / "recipes" / "tiny" / f"{m}.yaml").read_text()) for m in covered}
