@@ -126,6 +126,20 @@ def _presets() -> list[str]:
     return list(PRESETS)
 
 
+def _proj_types() -> list[str]:
+    from optimizers.projection import PROJ_TYPES
+
+    return list(PROJ_TYPES)
+
+
+def _bases() -> list[str]:
+    from optimizers.projection import METHODS
+
+    return ["default", *METHODS]
+
+
+ProjType = Annotated[str, OneOf(_proj_types, "a side of `optimizers.projection.PROJ_TYPES`", listed=True)]
+Basis = Annotated[str, OneOf(_bases, "a basis of `optimizers.projection.METHODS`, or `default`", listed=True)]
 MethodName = Annotated[str, OneOf(_method_names, "a name in `optimizers.METHODS` (see Methods)")]
 FactorKind = Annotated[str, OneOf(_factor_kinds, "`none` or a name in `effpretrain.models.FACTOR_KINDS`")]
 Preset = Annotated[str, OneOf(_presets, "a name in `effpretrain.models.PRESETS`", listed=True)]
@@ -185,9 +199,9 @@ class OptimConfig:
     """Projected methods: steps T between basis refreshes."""
     scale: PositiveFloat = 0.25
     """Projected methods: scale alpha of the projected update (Fira's alpha)."""
-    proj_type: Literal["std", "reverse_std", "right", "left", "full"] = "std"
+    proj_type: ProjType = "std"
     """Projected methods: which side of each matrix is projected (GaLore's proj_type)."""
-    basis: Literal["default", "svd", "randomized_svd", "random"] = "default"
+    basis: Basis = "default"
     """Projected methods: how the basis is computed; `default`: the method's own choice."""
     targets: list[str] = field(default_factory=lambda: list(ATTN_MLP_TARGETS))
     """Projected methods: names of the linear modules whose weights are projected."""

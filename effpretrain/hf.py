@@ -208,8 +208,7 @@ def create_optimizer(
 
     Args:
         model: the model to train (its trainable parameters are grouped).
-        method: optimizer name from the registry `optimizers.METHODS` (adamw, galore, fira,
-            apollo, apollo_mini, stable_spam, spam, galore_8bit, adamw_8bit).
+        method: an optimizer name from the registry `optimizers.METHODS`.
         num_training_steps: optimizer updates in the run (the schedule's length).
         lr: peak learning rate (eta).
         weight_decay: decoupled weight decay (lambda) for matrices.
@@ -221,8 +220,8 @@ def create_optimizer(
         rank: projection rank r (projection methods).
         update_proj_gap: basis refresh period T (projection methods).
         scale: projected update scale alpha (projection methods).
-        proj_type: projection side, as galore-torch ("std", "reverse_std", "right", "left", "full").
-        basis: "default", "svd", "randomized_svd" or "random".
+        proj_type: projection side, as galore-torch (`optimizers.projection.PROJ_TYPES`).
+        basis: "default" (the method's own) or a basis of `optimizers.projection.METHODS`.
         targets: attribute names of the Linear layers a projection method projects.
         restarts_every: T of the benchmark's restarts (0: none); the optimizer is then the
             `optimizers.Restarts` wrapper.
@@ -295,11 +294,10 @@ def _method_of(optimizer: Any) -> str | None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         return None
     cls = type(unwrap_optimizer(optimizer))
-    for name, spec in optimizers.METHODS.items():
-        module, cls_name = spec.target.split(":")
-        if cls.__name__ == cls_name and cls.__module__.startswith(module):
-            return name
-    return None
+    # Compared by name first, so that no other registered class (or its backend) is imported.
+    return next(
+        (n for n, s in optimizers.METHODS.items() if s.class_name == cls.__name__ and s.cls is cls), None
+    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -73,7 +73,7 @@ def paper_memory_table(methods: Sequence[tuple[str, str, str]] | None = None) ->
                     density=PAPER_DENSITY,
                 )
                 row["gb"] = est.weights_plus_optimizer / 1e9
-            except Exception as e:  # a method that cannot load here (a missing backend): n/a, go on
+            except ImportError as e:  # a method whose backend is not installed here: n/a, go on
                 row["gb"], row["error"] = None, f"{type(e).__name__}: {e}".splitlines()[0]
             paper = PAPER_MEMORY_GB.get(method, {}).get(preset)
             row["paper_gb"] = paper

@@ -46,12 +46,8 @@ class MethodSpec:
     Attributes:
         name: the registry name (recipes' ``optim.name``).
         target: ``"module:Class"``, imported on first use (`cls`).
-        summary: one line for tables and ``--help``.
         projects: projected groups (attention/MLP weights) carry ``rank`` and the basis keys; the
             toolkit builds such a group only for these methods.
-        fsdp2_whole_state: under FSDP2 all of its state stays whole on every rank (its dense
-            moments are not element-wise: 8-bit blocks); otherwise full-size state shards with the
-            parameter and a projected matrix's low-rank state is whole on every rank.
         needs_total_steps: the constructor takes ``total_steps`` (the run length) unless given.
         defaults: constructor keywords the toolkit passes unless the caller gives them.
         state_bytes_fn: the state formula for a class that has no ``state_bytes`` classmethod of
@@ -60,9 +56,7 @@ class MethodSpec:
 
     name: str
     target: str
-    summary: str = ""
     projects: bool = False
-    fsdp2_whole_state: bool = False
     needs_total_steps: bool = False
     defaults: Mapping[str, Any] = field(default_factory=dict)
     state_bytes_fn: Callable[[tuple[int, ...], dict[str, Any], torch.dtype], int] | None = None
@@ -76,6 +70,16 @@ class MethodSpec:
         """The optimizer class (imports its module on first use)."""
         module, name = self.target.split(":")
         return getattr(importlib.import_module(module), name)
+
+    @property
+    def fsdp2_whole_state(self) -> bool:
+        """Under FSDP2 all of its state stays whole on every rank: its dense moments are not
+        element-wise (8-bit blocks), so it steps gathered tensors. Read from the class: the
+        ``ELEMENTWISE`` attribute of a projected class's moment storage (``MOMENTS``) or of the
+        class itself; a class without one is element-wise (its full-size state shards with the
+        parameter; a projected matrix's low-rank state is whole on every rank)."""
+        owner = getattr(self.cls, "MOMENTS", self.cls)
+        return not getattr(owner, "ELEMENTWISE", True)
 
     @property
     def fixed_rank(self) -> int | None:
@@ -111,9 +115,10 @@ class MethodSpec:
         return g
 
     def constructor_kwargs(self, kwargs: Mapping[str, Any], total_steps: int | None = None) -> dict[str, Any]:
-        """`kwargs` plus this method's defaults and, where it needs one, the run length; the basis
-        options (group keys) are removed."""
-        kw = {**self.defaults, **{k: v for k, v in kwargs.items() if k not in PROJECTION_GROUP_EXTRAS}}
+        """The toolkit's constructor keywords from a config's `kwargs` (common settings plus
+        ``optim.extra``): the basis options, which go to projected groups, removed, and the run
+        length added where the method needs one. `build_optimizer` adds the method's defaults."""
+        kw = {k: v for k, v in kwargs.items() if k not in PROJECTION_GROUP_EXTRAS}
         if self.needs_total_steps and "total_steps" not in kw and total_steps is not None:
             kw["total_steps"] = total_steps
         return kw
@@ -135,7 +140,6 @@ METHODS: dict[str, MethodSpec] = {
         _spec(
             name="adamw",
             target="torch.optim:AdamW",
-            summary="torch AdamW (foreach), no decay on norms",
             # foreach: torch's fastest CPU/GPU path that is also deterministic.
             defaults={"foreach": True},
             state_bytes_fn=_torch_adamw_state_bytes,
@@ -143,49 +147,39 @@ METHODS: dict[str, MethodSpec] = {
         _spec(
             name="adamw_8bit",
             target="optimizers.adamw_8bit:AdamW8bit",
-            summary="bitsandbytes 8-bit AdamW (CPU and GPU)",
-            fsdp2_whole_state=True,
         ),
         _spec(
             name="stable_spam",
             target="optimizers.stable_spam:StableSPAM",
-            summary="Adam with adaptive spike clipping, norm scaling, momentum reset, beta1 annealing",
             needs_total_steps=True,
         ),
         _spec(
             name="spam",
             target="optimizers.stable_spam:SPAM",
-            summary="Adam with spike clipping and periodic momentum reset",
         ),
         _spec(
             name="galore",
             target="optimizers.galore:GaLoreAdamW",
-            summary="projected Adam on attention/MLP weights (SVD-family basis)",
             projects=True,
         ),
         _spec(
             name="galore_8bit",
             target="optimizers.galore_8bit:GaLoreAdamW8bit",
-            summary="GaLore with 8-bit block-quantised moments",
             projects=True,
-            fsdp2_whole_state=True,
         ),
         _spec(
             name="fira",
             target="optimizers.fira:FiraAdamW",
-            summary="GaLore + scaled full-rank residual with the norm-growth limiter",
             projects=True,
         ),
         _spec(
             name="apollo",
             target="optimizers.apollo:APOLLOAdamW",
-            summary="seeded random projection (never stored), channel-wise scaling",
             projects=True,
         ),
         _spec(
             name="apollo_mini",
             target="optimizers.apollo:APOLLOMini",
-            summary="APOLLO at rank 1 with tensor-wise scaling",
             projects=True,
         ),
     )

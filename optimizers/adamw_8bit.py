@@ -12,7 +12,7 @@ This is the one file in optimizers/ that imports bitsandbytes; the registry impo
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -54,6 +54,11 @@ class AdamW8bit(bnb.optim.AdamW8bit):
         min_8bit_size: Tensors with fewer entries keep fp32 moments (bitsandbytes default 4096).
         **kwargs: Passed to bitsandbytes.optim.AdamW8bit (e.g. ``is_paged``).
     """
+
+    ELEMENTWISE: ClassVar[bool] = False
+    """Block-wise 8-bit moments are not element-wise: under FSDP2 `step` works on the gathered
+    whole tensor and all of the state is whole on every rank (the registry's
+    ``fsdp2_whole_state`` reads this)."""
 
     def __init__(
         self,

@@ -29,8 +29,10 @@ def test_meta_model_shapes_equal_the_real_model(preset):
 
 
 def test_precision_names_are_the_configs():
+    from effpretrain.config import PRECISIONS as CONFIG_PRECISIONS
     from effpretrain.config import load_config
 
+    assert tuple(PRECISIONS) == CONFIG_PRECISIONS  # one set of names for config and estimator
     cfg = load_config(ROOT / "recipes" / "tiny" / "adamw.yaml", [])
     by_name = {}
     for name in PRECISIONS:
