@@ -30,7 +30,6 @@ ROOT = Path(__file__).resolve().parent.parent
 # Every case clips at the recipe's train.grad_clip (1.0, active here): the trainer's global norm
 # sums squares in fp64 (effpretrain/fsdp.py), so one process and FSDP2 get the same fp32 norm
 # and clip coefficient, and the projection bases and refactorization SVDs see the same inputs.
-NO_CLIP: list[str] = []
 CASES = {
     # Accumulation: gradients of the earlier micro-steps stay unsharded (no reduce-scatter).
     "adamw-accum": (
@@ -44,8 +43,8 @@ CASES = {
     **{
         m: (
             m,
-            ["train.batch_size=2", *NO_CLIP],
-            ["train.batch_size=2", "train.grad_accum=2", "train.eval_batches=4", *NO_CLIP],
+            ["train.batch_size=2"],
+            ["train.batch_size=2", "train.grad_accum=2", "train.eval_batches=4"],
         )
         for m in registry_recipes()
     },

@@ -303,7 +303,6 @@ class FactorSpec:
     Attributes:
         name: the registry name (``factor.kind``).
         layer: the FactorizedLinear subclass that replaces a target Linear.
-        summary: one line for tables.
         frozen_dense: keeps the replaced m x n weight as a frozen W0 (LoRA, ReLoRA).
         sparse: adds a fixed random support of nnz = floor(density m n) trainable values and an
             int64 index buffer (SLTrain).
@@ -315,7 +314,6 @@ class FactorSpec:
 
     name: str
     layer: type[FactorizedLinear]
-    summary: str = ""
     frozen_dense: bool = False
     sparse: bool = False
     refactorizable: bool = True
@@ -349,12 +347,11 @@ class FactorSpec:
 FACTOR_KINDS: dict[str, FactorSpec] = {
     s.name: s
     for s in (
-        FactorSpec("lowrank", LowRankLinear, "W = (alpha/r) B A, no dense weight"),
-        FactorSpec("lora", LoRALinear, "frozen random W0 + (alpha/r) B A", frozen_dense=True),
+        FactorSpec("lowrank", LowRankLinear),
+        FactorSpec("lora", LoRALinear, frozen_dense=True),
         FactorSpec(
             "relora",
             ReLoRALinear,
-            "LoRA merged into W0 and restarted every restarts.every steps",
             frozen_dense=True,
             refactorizable=False,
             merges_at_restart=True,
@@ -362,7 +359,6 @@ FACTOR_KINDS: dict[str, FactorSpec] = {
         FactorSpec(
             "sltrain",
             SLTrainLinear,
-            "low-rank + fixed random sparse support",
             sparse=True,
             materializes_dense=True,
         ),
