@@ -1,4 +1,4 @@
-"""The training loop: Accelerate, gradient accumulation, clipping, schedule, events, eval, checkpoints.
+"""The training loop: Accelerate, gradient accumulation, clipping, events, eval, checkpoints.
 
 Read top to bottom: `train()` builds a `Trainer` from a RunConfig (its set-up steps: processes,
 data, model, optimizer, resume) and runs `Trainer.fit()`, a loop of named steps (train step, log,
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,7 @@ class Trainer:
         self, cfg: RunConfig, out_dir: Path, resume: str | None = None, allow_config_change: bool = False
     ):
         self.cfg, self.out = cfg, out_dir
+        _check_writable_dir(self.out)  # before any work: a run that cannot write is refused now
         self._set_up_processes()
         # Resume target first: a bad --resume must fail before any work or any write.
         self.resume_path = self._resume_target(resume)
@@ -79,6 +81,7 @@ class Trainer:
         self.progress = Progress()
         self.opt_seconds = 0.0  # wall time inside optimizer.step() (events included), this process
         self.grad_bytes = 0  # measured per rank after the first step
+        self._saved_step: int | None = None  # the step whose checkpoint this run wrote or resumed
         if self.resume_path is not None:
             self._load(self.resume_path, allow_config_change)
 
@@ -187,7 +190,7 @@ class Trainer:
                 report.advance(loss, clock.tokens_per_s(p.tokens))
             report.close_progress()
             if stopped:
-                return self._stop_on_signal(stop.requested)
+                return self._stop_on_signal(stop.requested or stop.agreed)
             return self._finish(report, clock, last_val)
 
     def _stop_agreed(self, stop: StopSignals) -> bool:
@@ -202,7 +205,7 @@ class Trainer:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         agreed = int(flag.item())
         if agreed and stop.requested is None:
-            stop.requested = agreed
+            stop.agreed = agreed  # not `requested`: this process's own first signal stays graceful
         return agreed != 0
 
     def _timed_step(self, clock: RunClock) -> tuple[float, float, bool]:
@@ -269,7 +272,10 @@ class Trainer:
             self.save()
 
     def _stop_on_signal(self, signum: int | None) -> dict[str, Any]:
-        self.save()
+        if self._saved_step != self.progress.step:
+            # Not when this step is already on disk (just saved, or resumed from): a re-save would
+            # replace the newest checkpoint, and a second signal during it could lose it.
+            self.save()
         log.info("stopped by signal %s at step %d; resume with --resume auto", signum, self.progress.step)
         return {"stopped_by_signal": signum, "step": self.progress.step}
 
@@ -335,10 +341,6 @@ class Trainer:
         # Per rank: a sharded parameter's gradient is its local shard.
         return sum(_local(q).numel() * q.element_size() for q in self.model.parameters() if q.requires_grad)
 
-    def _grad_bytes(self) -> int:
-        # Per rank: a sharded parameter's gradient is its local shard.
-        return sum(_local(q).numel() * q.element_size() for q in self.model.parameters() if q.requires_grad)
-
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float]:
         """Exact token-weighted validation loss over the fixed held-out rows, and exp of it."""
@@ -375,6 +377,7 @@ class Trainer:
         return st
 
     def save(self) -> Path | None:
+        self._saved_step = self.progress.step
         self.acc.wait_for_everyone()
         path = None
         trainer_state = self._trainer_state()
@@ -451,6 +454,8 @@ class Trainer:
             # Each rank reads its own shards of the model and of the sharded optimizer state.
             try:
                 fsdp.load_sharded(path / "dcp", model, self.inner_opt, tr["optimizer_skeleton"])
+            except ConfigError:
+                raise  # already one line naming the checkpoint (the weight loader's check)
             except (ValueError, KeyError, RuntimeError, CheckpointException) as e:
                 # (CheckpointException is a BaseException: DCP's wrapper of any rank's read error.)
                 raise ConfigError(
@@ -472,7 +477,17 @@ class Trainer:
         self.progress = Progress(
             step=int(tr["step"]), tokens=int(tr["tokens"]), skipped=int(tr.get("skipped", 0))
         )
+        self._saved_step = self.progress.step  # this step's checkpoint exists
         log.info("resumed from %s at step %d", path, self.progress.step)
+
+
+def _check_writable_dir(out: Path) -> None:
+    """ConfigError unless `out` is (or can be created as) a directory this process can write."""
+    existing = next((p for p in (out, *out.parents) if p.exists()), None)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} exists and is not a directory")
+    if existing is not None and (not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK)):
+        raise ConfigError(f"--out {out}: {existing} is not a writable directory")
 
 
 def train(

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from effpretrain import cli
 from effpretrain.config import load_config
+from effpretrain.signals import REPEAT_WINDOW_S
 from effpretrain.trainer import NonFiniteError, Trainer, train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,6 +118,9 @@ SLOW_SCRIPT = textwrap.dedent(
 
     def stall():
         marker.touch()
+        if where == "brief":
+            time.sleep(3)  # a slow step that does finish
+            return
         if where == "native":
             # Blocked inside one native call that no signal interrupts (as a collective whose peer
             # never comes): a default pthread mutex locked twice by its owner deadlocks.
@@ -138,7 +142,7 @@ SLOW_SCRIPT = textwrap.dedent(
         stall()
         return real_load(cfg)
 
-    if where in ("step", "native"):
+    if where in ("step", "native", "brief"):
         Trainer._train_step = slow_step
     else:
         data_mod.load_corpus = slow_load
@@ -185,8 +189,10 @@ def test_second_sigterm_stops_a_stalled_step_at_once_without_a_checkpoint(tmp_pa
     over = SMALL + ["train.max_steps=10", "train.save_every=2", "train.eval_every=0"]
     proc, _, err = _start_slow_run(tmp_path, "step", over)
     proc.send_signal(signal.SIGTERM)
-    # The first signal is handled (the run would finish the step and save) before the second comes.
+    # The first signal is handled (the run would finish the step and save) before the second comes,
+    # and the second comes after the repeat window (within it, it would be the same request).
     _wait_for(lambda: "send it again to stop at once" in err.read_text(), proc, err, timeout=30)
+    time.sleep(REPEAT_WINDOW_S + 0.5)
     proc.send_signal(signal.SIGTERM)
     code = _exit_within(proc, 30)  # the step would take ten minutes
     text = err.read_text()
@@ -199,6 +205,107 @@ def test_second_sigterm_stops_a_stalled_step_at_once_without_a_checkpoint(tmp_pa
     assert steps == [1, 2]
 
 
+def test_two_sigterms_at_once_are_one_graceful_stop(tmp_path):
+    """A scheduler and a launcher may deliver two SIGTERMs together: one request, so the run
+    finishes its step, saves and exits 0 (neither the handler nor the watchdog calls it a second
+    signal)."""
+    over = SMALL + ["train.max_steps=10", "train.save_every=2", "train.eval_every=0"]
+    proc, _, err = _start_slow_run(tmp_path, "brief", over)
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGTERM)
+    code = _exit_within(proc, 60)
+    text = err.read_text()
+    assert code == 0, text[-2000:]
+    assert "second signal" not in text
+    assert "step-3" in {p.name for p in (tmp_path / "run" / "checkpoints").iterdir()}
+
+
+def test_stop_policy_counts_this_process_signals_once_per_window():
+    """Unit rules of `StopSignals`: an agreed stop (another rank's signal) does not make this
+    process's own first signal a second one; a repeat within REPEAT_WINDOW_S is the same request;
+    a later one stops at once."""
+    from effpretrain.signals import RunInterrupted, StopSignals
+
+    stop = StopSignals()
+    stop.enter_loop()
+    stop.agreed = signal.SIGTERM  # as the trainer sets it when another rank was signalled
+    stop._on_signal(signal.SIGTERM, None)  # this rank's own first signal: graceful
+    assert stop.requested == signal.SIGTERM
+    stop._on_signal(signal.SIGTERM, None)  # delivered twice at once: still one request
+    stop._last_counted -= 2.0  # a later signal
+    with pytest.raises(RunInterrupted, match="second signal"):
+        stop._on_signal(signal.SIGTERM, None)
+
+
+def test_signal_right_after_a_save_does_not_rewrite_that_checkpoint(tmp_path, monkeypatch):
+    """The step just saved by save_every, or just resumed from, is on disk: the graceful stop does
+    not save it again (a re-save replaces the folder, which a second signal could interrupt)."""
+    from effpretrain.signals import StopSignals
+
+    saves, real_save, real_maybe, real_enter = [], Trainer.save, Trainer._maybe_save, StopSignals.enter_loop
+
+    def counting_save(self):
+        saves.append(self.progress.step)
+        return real_save(self)
+
+    def maybe_then_signal(self):
+        real_maybe(self)
+        if self.progress.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(Trainer, "save", counting_save)
+    monkeypatch.setattr(Trainer, "_maybe_save", maybe_then_signal)
+    over = SMALL + ["train.max_steps=6", "train.save_every=2", "train.eval_every=0"]
+    result = train(load_config(RECIPE, over), tmp_path / "run")
+    assert result == {"stopped_by_signal": signal.SIGTERM, "step": 2}
+    assert saves == [2]
+    step2 = (tmp_path / "run" / "checkpoints" / "step-2").stat()
+
+    def enter_then_signal(self):  # a signal before the resumed run's first step
+        real_enter(self)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(StopSignals, "enter_loop", enter_then_signal)
+    result = train(load_config(RECIPE, over), tmp_path / "run", resume="auto")
+    assert result == {"stopped_by_signal": signal.SIGTERM, "step": 2}
+    assert saves == [2]
+    again = (tmp_path / "run" / "checkpoints" / "step-2").stat()
+    assert (again.st_ino, again.st_mtime_ns) == (step2.st_ino, step2.st_mtime_ns)
+
+
+def test_stop_signals_set_up_is_all_or_nothing(monkeypatch):
+    """A watchdog that cannot start leaves no wake-up fd or pipe behind (the handlers alone apply
+    the policy); a failure past that restores the previous handlers before it propagates."""
+    import threading
+
+    from effpretrain.signals import StopSignals
+
+    def wakeup_fd() -> int:
+        fd = signal.set_wakeup_fd(-1)
+        signal.set_wakeup_fd(fd)
+        return fd
+
+    before = (wakeup_fd(), open_paths(), signal.getsignal(signal.SIGTERM))
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    with StopSignals() as stop:
+        assert stop._watchdog is None
+        assert (wakeup_fd(), open_paths()) == before[:2]
+        assert signal.getsignal(signal.SIGTERM) == stop._on_signal
+    assert (wakeup_fd(), open_paths(), signal.getsignal(signal.SIGTERM)) == before
+
+    def no_pipe():
+        raise MemoryError
+
+    monkeypatch.setattr(os, "pipe", no_pipe)
+    with pytest.raises(MemoryError), StopSignals():
+        pass
+    assert (wakeup_fd(), open_paths(), signal.getsignal(signal.SIGTERM)) == before
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the stall is a glibc mutex deadlock")
 def test_second_sigterm_stops_a_step_blocked_in_native_code(tmp_path):
     """Python cannot run a handler while the main thread is inside one native call: the
@@ -208,7 +315,7 @@ def test_second_sigterm_stops_a_step_blocked_in_native_code(tmp_path):
     over = SMALL + ["train.max_steps=10", "train.save_every=2", "train.eval_every=0"]
     proc, _, err = _start_slow_run(tmp_path, "native", over)
     proc.send_signal(signal.SIGTERM)
-    time.sleep(2)  # two signals sent back to back could merge into one pending signal
+    time.sleep(REPEAT_WINDOW_S + 1)  # back to back, two signals are one request (REPEAT_WINDOW_S)
     proc.send_signal(signal.SIGTERM)
     code = _exit_within(proc, FORCE_EXIT_AFTER_S + 25)
     text = err.read_text()
@@ -232,7 +339,7 @@ def test_signal_during_start_up_exits_at_once_without_writing(sig, tmp_path):
 
 DDP_SIGNAL_WORKER = textwrap.dedent(
     """
-    import os, sys, time
+    import os, signal, sys, time
     from pathlib import Path
     from effpretrain.config import load_config
     from effpretrain.trainer import Trainer, train
@@ -240,7 +347,7 @@ DDP_SIGNAL_WORKER = textwrap.dedent(
     out, recipe, over = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
     rank = int(os.environ["RANK"])
     (out / f"pid-{rank}").write_text(str(os.getpid()))
-    real_step = Trainer._train_step
+    real_step, real_save = Trainer._train_step, Trainer.save
 
     def step(self):
         # Rank 1 holds step 4 until the test has signalled it: rank 0 waits in step 4's all-reduce.
@@ -250,17 +357,25 @@ DDP_SIGNAL_WORKER = textwrap.dedent(
                 time.sleep(0.05)
         return real_step(self)
 
-    Trainer._train_step = step
+    def save(self):
+        # Rank 0's own SIGTERM comes late (torchrun signals every worker): after the ranks agreed
+        # to stop for rank 1's, while they save. It is rank 0's first signal, so the save goes on.
+        if rank == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_save(self)
+
+    Trainer._train_step, Trainer.save = step, save
     result = train(load_config(recipe, over), out / "run")
     (out / f"result-{rank}").write_text(repr(result))
     """
 )
 
 
-def test_sigterm_to_one_ddp_rank_stops_every_rank_at_the_same_step(tmp_path):
-    """A signal that reaches one rank only (or the ranks on either side of a step boundary) must
+def test_sigterm_to_ddp_ranks_on_either_side_of_a_step_stops_every_rank_at_the_same_step(tmp_path):
+    """A signal that reaches one rank first (the ranks on either side of a step boundary) must
     stop all of them after the same step; otherwise one saves while the other trains on and both
-    wait forever in mismatched collectives."""
+    wait forever in mismatched collectives. The other rank's own signal, arriving during the save,
+    is its first: it does not stop that rank at once (which would leave the other hanging)."""
     import socket
 
     with socket.socket() as s:
@@ -569,6 +684,14 @@ def _argv(*args):
     return lambda tmp, ckpt: list(args)
 
 
+def _out_in_a_file(sub):
+    def make(tmp, ckpt):
+        (tmp / "file").write_text("not a folder")
+        return ["train", str(RECIPE), "--out", str(tmp / "file" / sub), "--set", "train.max_steps=2"]
+
+    return make
+
+
 MALFORMED = {
     # recipes
     "unknown key": (_recipe("optim:\n  nam: adamw\n"), "unknown key 'optim.nam'"),
@@ -639,6 +762,8 @@ MALFORMED = {
         "--world-size must be > 0",
     ),
     "set without value": (_argv("train", str(RECIPE), "--set", "optim.lr"), "not of the form"),
+    "out is a file": (_out_in_a_file(""), "exists and is not a directory"),
+    "out below a file": (_out_in_a_file("run"), "file is not a writable directory"),
     "set non-number": (
         _argv("train", str(RECIPE), "--set", "train.seed=abc"),
         "train.seed='abc' has the wrong type",
