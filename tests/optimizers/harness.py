@@ -4,17 +4,21 @@ trips, state accounting, and the optimizer contract (DESIGN.md sections 4 and 7)
 The contract checks take a registry name and a `Case` (how to run that method: its schedule, its
 variants, its degenerate settings) and build param groups the way the toolkit does: the registry's
 `projection_group` for the attention/MLP-like matrices of a projecting method, a decayed group for
-the other matrices and an undecayed one for vectors. tests/optimizers/test_contract.py runs them
-for every registered method; tests/test_registry.py runs them on a toy method registered at run
-time. Per-method test files import the helpers for their own claims (reference matches, rules).
+the other matrices and an undecayed one for vectors. `CONTRACT_CHECKS` lists them once:
+tests/optimizers/test_contract.py runs each for every registered method (the `Case` is the
+module-level ``CONTRACT`` of that method's own tests/optimizers/test_<name>.py), and
+tests/test_registry.py runs the same list (`run_contract`) on toy methods registered at run time.
+Per-method test files import the helpers for their own claims (reference matches, rules).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import importlib.util
 import io
+import itertools
 import math
 import sys
 import types
@@ -368,6 +372,46 @@ class Case:
     state_keys: tuple[str, ...] = ("step", "exp_avg", "exp_avg_sq")
 
 
+# Building blocks of the methods' CONTRACTs (shared by the test files of related methods).
+
+#: torch.optim.AdamW settings for the reductions of the non-projecting methods.
+ADAMW_SETTINGS: dict[str, Any] = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
+# Identity basis at full rank, scale 1: the projection is exact, so the torch convention is
+# torch.optim.AdamW; the reference convention differs from it only in where eps enters and in the
+# order of weight decay (eta_t eta lambda |D| per step: ~1e-8 at lr 1e-3), so it is AdamW at eps 0.
+PROJECTED_ADAM: tuple[Reduction, ...] = (
+    Reduction(
+        "torch_convention", {"lr": 1e-2, "eps": 1e-6}, {"adam_convention": "torch"}, "identity", steps=6
+    ),
+    Reduction(
+        "torch_convention_decay",
+        {"lr": 1e-2, "eps": 1e-6, "weight_decay": 0.1},
+        {"adam_convention": "torch"},
+        "identity",
+        steps=6,
+    ),
+    Reduction(
+        "reference_convention_eps0",
+        {"lr": 1e-3, "eps": 0.0, "weight_decay": 0.01},
+        {},
+        "identity",
+        steps=6,
+        std=0.02,  # LLaMA's init scale, where the decay-order term stays far below the tolerance
+    ),
+)
+#: The bases of the SVD-based projecting methods (GaLore, Fira), each a contract variant.
+SVD_FAMILY: dict[str, Variant] = {
+    "randomized_svd": Variant("randomized_svd"),
+    "svd": Variant("svd"),
+    "random": Variant("random"),
+}
+#: APOLLO's two random streams (its own "mix" default and apollo-torch's seed chain).
+APOLLO_STREAMS: dict[str, Variant] = {
+    "mix": Variant(),
+    "apollo_torch_stream": Variant(kwargs={"random_stream": "apollo_torch"}),
+}
+
+
 def param_groups(
     name: str,
     matrices: Sequence[torch.Tensor],
@@ -415,6 +459,20 @@ def _run_case(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], case: 
 
 
 # ----------------------------------------------------------------------------- contract checks
+
+
+def check_case(name: str, case: Case) -> None:
+    """The case decides whether the method reduces to AdamW: `Reduction` rows, or
+    ``"does not reduce: <reason>"`` with a reason; and it names at least one variant."""
+    if isinstance(case.reduces, str):
+        assert (
+            case.reduces.startswith("does not reduce: ") and case.reduces[len("does not reduce: ") :].strip()
+        ), f"{name}: reduces={case.reduces!r} must read 'does not reduce: <reason>'"
+    else:
+        assert case.reduces and all(isinstance(r, Reduction) for r in case.reduces), (
+            f"{name}: reduces must be Reduction rows or 'does not reduce: <reason>'"
+        )
+    assert case.variants, f"{name}: a case needs at least one variant"
 
 
 def check_determinism(name: str, case: Case, variant: str) -> None:
@@ -636,3 +694,108 @@ def check_projected_groups_are_validated(name: str) -> None:
         optimizers.build_optimizer(name, [{"params": [torch.nn.Parameter(torch.zeros(5))], **opts}])
     with pytest.raises(TypeError, match="unknown option.*rnak"):
         optimizers.build_optimizer(name, make_params()[:1], rnak=3)
+
+
+# ----------------------------------------------------------------------------- the contract, listed once
+
+#: The dtypes of the resume and state-bytes checks, by test id.
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _axis(kind: str, case: Case) -> list[tuple[str | None, Any]]:
+    """The values one argument of a check takes for `case`, each with its test id (None: no id)."""
+    if kind == "case":
+        return [(None, case)]
+    if kind == "grads":
+        return [(None, case.grads)]
+    if kind == "variant":
+        return [(v, v) for v in case.variants]
+    if kind == "dtype":
+        return list(DTYPES.items())
+    if kind == "reduction":
+        return [] if isinstance(case.reduces, str) else [(r.label, r) for r in case.reduces]
+    raise ValueError(f"unknown contract argument {kind!r}")
+
+
+@dataclass(frozen=True)
+class ContractCheck:
+    """One check of the contract and how it is run for a method.
+
+    Attributes:
+        test: the name of its parametrized test in tests/optimizers/test_contract.py.
+        check: the function, called as ``check(name, *args)``; its docstring is the test's.
+        args: what follows the name, each one of ``"case"``, ``"grads"`` (the case's), ``"variant"``
+            (one run per variant), ``"dtype"`` (one per `DTYPES`), ``"reduction"`` (one per
+            `Reduction` row; none for a method that does not reduce).
+        projected_only: only for methods whose registry entry projects.
+    """
+
+    test: str
+    check: Callable[..., None]
+    args: tuple[str, ...] = ("case",)
+    projected_only: bool = False
+
+    def applies(self, name: str) -> bool:
+        """Whether the check runs for registered method `name`."""
+        return not self.projected_only or optimizers.method_spec(name).projects
+
+    def runs(self, name: str, case: Case) -> list[tuple[str, Callable[[], None]]]:
+        """The runs for method `name`: (test id, call), e.g. ``("galore-svd-fp32", ...)``."""
+        out = []
+        for combo in itertools.product(*(_axis(kind, case) for kind in self.args)):
+            ids = [name, *(i for i, _ in combo if i is not None)]
+            out.append(("-".join(ids), functools.partial(self.check, name, *(v for _, v in combo))))
+        return out
+
+
+#: The contract: test_contract.py makes one parametrized test of each (for every registered
+#: method) and `run_contract` runs the same list, so a check added here runs everywhere.
+CONTRACT_CHECKS: tuple[ContractCheck, ...] = (
+    ContractCheck("test_case_decides_whether_it_reduces_to_adamw", check_case),
+    ContractCheck("test_two_seeded_runs_are_bitwise_equal", check_determinism, ("case", "variant")),
+    ContractCheck(
+        "test_resume_across_a_refresh_or_reset_is_bitwise_exact", check_resume, ("case", "variant", "dtype")
+    ),
+    ContractCheck(
+        "test_state_bytes_equal_the_registry_formula", check_state_bytes, ("case", "variant", "dtype")
+    ),
+    ContractCheck(
+        "test_state_is_plain_and_step_never_changes_param_groups", check_state_and_groups, ("case", "variant")
+    ),
+    ContractCheck("test_loss_goes_down_on_least_squares", check_loss_goes_down),
+    ContractCheck("test_reduces_to_torch_adamw", check_reduces_to_adamw, ("reduction", "grads")),
+    ContractCheck(
+        "test_zero_gradient_dummy_step_computes_no_basis_and_keeps_the_schedule",
+        check_zero_gradient_dummy_step,
+        projected_only=True,
+    ),
+    ContractCheck(
+        "test_refresh_schedule_and_telemetry",
+        check_refresh_schedule,
+        ("case", "variant"),
+        projected_only=True,
+    ),
+    ContractCheck(
+        "test_non_finite_gradient_keeps_the_previous_basis_with_one_warning",
+        check_non_finite_gradient_keeps_basis,
+        projected_only=True,
+    ),
+    ContractCheck(
+        "test_projected_groups_reject_vectors_and_unknown_options",
+        check_projected_groups_are_validated,
+        (),
+        projected_only=True,
+    ),
+)
+
+
+def run_contract(name: str, case: Case) -> list[str]:
+    """Runs every check of `CONTRACT_CHECKS` that applies to registered method `name`, as
+    test_contract.py does; returns the ids of the runs, ``"<test>[<id>]"``."""
+    done = []
+    for contract_check in CONTRACT_CHECKS:
+        if contract_check.applies(name):
+            for run_id, call in contract_check.runs(name, case):
+                call()
+                done.append(f"{contract_check.test}[{run_id}]")
+    return done

@@ -11,6 +11,7 @@ import torch
 
 pytest.importorskip("bitsandbytes")
 
+import harness  # noqa: E402
 from harness import make_params, run, state_bytes_of  # noqa: E402
 
 from optimizers.adamw_8bit import AdamW8bit  # noqa: E402
@@ -18,6 +19,14 @@ from optimizers.adamw_8bit import AdamW8bit  # noqa: E402
 # 8-bit (>= 4096 entries, one with a partial last block) and fp32-state (small) tensors.
 SHAPES = [(128, 64), (5000,), (10, 7)]
 GRADS = {"seed": 3000, "growth": 0.0}
+
+#: How the contract runs "adamw_8bit" (test_contract.py).
+CONTRACT = harness.Case(
+    # Tensors below min_8bit_size keep fp32 moments: bitsandbytes' fp32 AdamW is torch's.
+    reduces=(harness.Reduction("fp32_moments", harness.ADAMW_SETTINGS, {"min_8bit_size": 10**9}),),
+    variants={"8bit": harness.Variant(kwargs={"min_8bit_size": 0}), "fp32_small": harness.Variant()},
+    state_keys=("step", "state1", "state2"),  # bitsandbytes' class, unchanged
+)
 
 
 def _params(seed: int, dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:

@@ -8,6 +8,7 @@ The default stream ("mix") is checked separately to be regenerable from (seed, r
 
 from __future__ import annotations
 
+import harness
 import pytest
 import torch
 from harness import make_params, reference_groups, run, run_beside, set_grads, state_bytes_of
@@ -18,6 +19,14 @@ from optimizers.apollo import APOLLOAdamW, apollo_torch_next_seed
 # A right-side (m >= n), a left-side (m < n) weight and a vector (never projected).
 SHAPES = [(16, 8), (6, 20), (7,)]
 GRADS = {"seed": 500, "growth": 0.0}
+
+#: How the contract runs "apollo" (test_contract.py), with each of its random streams.
+CONTRACT = harness.Case(
+    reduces="does not reduce: the update is the raw gradient scaled per channel by ||N_c|| / ||R_c||, "
+    "not Adam's element-wise N, whatever the basis",
+    variants=harness.APOLLO_STREAMS,
+    loss_lr=0.8,
+)
 
 
 def _params(seed: int, dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:

@@ -8,6 +8,7 @@ scale_type "tensor", scale 128) beside ours drawing apollo-torch's random stream
 
 from __future__ import annotations
 
+import harness
 import pytest
 import torch
 from harness import make_params, reference_groups, run, run_beside, set_grads, state_bytes_of
@@ -16,6 +17,13 @@ from optimizers.apollo import APOLLOAdamW, APOLLOMini
 
 SHAPES = [(16, 8), (6, 20), (7,)]
 GRADS = {"seed": 700, "growth": 0.0}
+
+#: How the contract runs "apollo_mini" (test_contract.py), with each of APOLLO's random streams.
+CONTRACT = harness.Case(
+    reduces="does not reduce: rank 1 and one tensor-wide scale of the raw gradient",
+    variants=harness.APOLLO_STREAMS,
+    loss_lr=1.0,
+)
 
 
 def _params(seed: int, dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:

@@ -3,6 +3,7 @@ step-by-step match with fira, the residual and its norm-growth limiter, state la
 
 from __future__ import annotations
 
+import harness
 import pytest
 import torch
 from harness import (
@@ -16,6 +17,14 @@ from harness import (
 
 from optimizers.fira import FiraAdamW
 from optimizers.galore import GaLoreAdamW
+
+#: How the contract runs "fira" (test_contract.py).
+CONTRACT = harness.Case(
+    # With the full basis the residual G - back(R) is exactly 0.
+    reduces=harness.PROJECTED_ADAM,
+    variants=harness.SVD_FAMILY,
+    loss_lr=0.5,
+)
 
 
 def test_residual_is_what_the_projection_drops() -> None:

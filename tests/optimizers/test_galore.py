@@ -3,6 +3,7 @@ step-by-step match with galore-torch, its state layout and defaults, its worked 
 
 from __future__ import annotations
 
+import harness
 import pytest
 import torch
 from harness import (
@@ -18,6 +19,11 @@ from harness import (
 )
 
 from optimizers.galore import GaLoreAdamW
+
+#: How the contract runs "galore" (test_contract.py).
+CONTRACT = harness.Case(
+    reduces=harness.PROJECTED_ADAM, variants=harness.SVD_FAMILY, loss_lr=0.5, loss_steps=50
+)
 
 
 @pytest.mark.parametrize("proj_type", ["std", "reverse_std", "right", "left"])

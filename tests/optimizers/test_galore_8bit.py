@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("bitsandbytes")
 
+import harness  # noqa: E402
 from harness import (  # noqa: E402
     least_squares_losses,
     make_params,
@@ -28,6 +29,23 @@ from optimizers.galore_8bit import GaLoreAdamW8bit  # noqa: E402
 # Tall (right side) and wide (left side) matrices plus a vector in a plain group. With rank 8 the
 # low-rank moments are 80 x 8 and 8 x 300 (one full and one partial 256-entry block, or more).
 SHAPES = [(80, 48), (40, 300), (300,)]
+
+#: How the contract runs "galore_8bit" (test_contract.py).
+CONTRACT = harness.Case(
+    # Moments below min_8bit_size stay fp32: then it is GaLore (torch convention, its default).
+    reduces=(
+        harness.Reduction(
+            "fp32_moments",
+            {"lr": 1e-2, "eps": 1e-8, "weight_decay": 0.1},
+            {"min_8bit_size": 10**9},
+            "identity",
+            steps=6,
+        ),
+    ),
+    variants={"8bit": harness.Variant(kwargs={"min_8bit_size": 0}), "fp32_small": harness.Variant()},
+    loss_lr=0.5,
+    loss_steps=50,
+)
 
 
 def test_reduces_to_bitsandbytes_adamw8bit_with_identity_basis() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import harness
 import pytest
 import torch
 from harness import make_grads, make_params, reference_adamw_step, run, step_with
@@ -13,6 +14,18 @@ from optimizers.stable_spam import SPAM
 
 SHAPES = [(6, 4), (5,), (3, 7)]
 GRADS = {"seed": 2000, "growth": 0.0, "spike": (5, 2, 1000.0)}  # x1000 on one entry every 5 steps
+
+#: How the contract runs "spam" (test_contract.py), on the spiky GRADS so that clipping acts.
+CONTRACT = harness.Case(
+    reduces=(
+        harness.Reduction("features_off", harness.ADAMW_SETTINGS, {"threshold": 0.0, "reset_interval": 0}),
+    ),
+    kwargs={"reset_interval": 5, "warmup_steps": 3, "clip_delay": 1, "threshold": 50.0},
+    grads=GRADS,
+    split=4,
+    steps=11,
+    loss_steps=50,  # the re-warm after each reset slows it
+)
 
 
 def _reference_spam(params, steps, lr, betas, eps, wd, thres, interval, warm, start, delay):

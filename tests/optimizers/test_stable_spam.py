@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import harness
 import pytest
 import torch
 from harness import make_grads, make_params, reference_adamw_step, run, step_with
@@ -13,6 +14,22 @@ from optimizers.stable_spam import StableSPAM
 
 SHAPES = [(6, 4), (5,), (3, 7)]
 GRADS = {"seed": 1000, "growth": 0.0, "spike": (7, 3, 300.0)}  # x300 on one entry every 7 steps
+
+#: How the contract runs "stable_spam" (test_contract.py), on the spiky GRADS so that clipping acts.
+CONTRACT = harness.Case(
+    reduces=(
+        harness.Reduction(
+            "features_off",
+            harness.ADAMW_SETTINGS,
+            {"adaptive_clip": False, "norm_scaling": False, "reset_interval": 0, "total_steps": None},
+        ),
+    ),
+    kwargs={"reset_interval": 5},  # resets at steps 5 and 10; annealed over 11 steps
+    loss_lr=0.2,
+    grads=GRADS,
+    split=4,
+    steps=11,
+)
 
 
 def _reference_stable_spam(params, steps: int, hp: dict) -> list[torch.Tensor]:
