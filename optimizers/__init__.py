@@ -4,11 +4,13 @@
 optimizer name: its class (imported on first use, so ``import optimizers`` stays cheap and an
 optional backend such as bitsandbytes is only needed by the methods that use it), whether it
 projects some groups, how its state shards under FSDP2, whether it needs the run length, and its
-exact state-bytes formula. What a projected class fills into its own groups (APOLLO-Mini's fixed
-rank, Fira's ``alpha`` from ``scale``, APOLLO's random basis) stays on the class
-(`projected_adam.ProjectedAdam` class attributes) and is read from there, not repeated here. The config's choices, the
-memory estimator, the trainer's param-group rules, the HF factory, the leaderboard and the tests
-all read it. Adding a method is one file with its class plus one `MethodSpec` row here.
+exact state-bytes formula. What a class declares about itself (APOLLO-Mini's fixed rank, Fira's
+``alpha`` from ``scale``, APOLLO's random basis, 8-bit moments that are not element-wise) stays
+on the class and is read from there, not repeated here. The config's choices, the memory
+estimator, the trainer's param-group rules, the HF factory, the leaderboard and the tests all read
+it. Adding a method is one file with its class, one `MethodSpec` row here, its recipes and its own
+test file tests/optimizers/test_<name>.py, whose module-level ``CONTRACT`` says how the shared
+optimizer contract runs it (how it reduces to AdamW, or why it does not); no shared file changes.
 
 Every registered class is also importable by its own name, lazily: ``from optimizers import
 GaLoreAdamW`` (as with the reference packages).

@@ -119,7 +119,10 @@ SLOW_SCRIPT = textwrap.dedent(
     def stall():
         marker.touch()
         if where == "brief":
-            time.sleep(3)  # a slow step that does finish
+            # A slow step that does finish, but outlasts a (wrong) watchdog deadline set by a signal.
+            from effpretrain.signals import FORCE_EXIT_AFTER_S
+
+            time.sleep(FORCE_EXIT_AFTER_S + 2)
             return
         if where == "native":
             # Blocked inside one native call that no signal interrupts (as a collective whose peer
