@@ -39,7 +39,7 @@ FORCE_EXIT_AFTER_S = 5.0
 # A stop signal within this many seconds of the previous counted one is the same request: a
 # scheduler and a launcher (scancel + torchrun forwarding) may deliver two SIGTERMs at once, and
 # CPython may run the handler once for both while the wake-up fd sees two bytes.
-REPEAT_WINDOW_S = 0.0
+REPEAT_WINDOW_S = 1.0
 
 
 class RunInterrupted(KeyboardInterrupt):
