@@ -554,6 +554,32 @@ def good_ckpt(tmp_path_factory):
     return out / "checkpoints" / "step-2"
 
 
+def test_sharded_resume_passes_the_weight_check_error_through_unchanged(good_ckpt, tmp_path, monkeypatch):
+    """The FSDP2 resume path's weight check already names the checkpoint in one line: `_load`
+    does not wrap it in a second ConfigError (the path would appear twice)."""
+    from effpretrain import checkpoint, fsdp
+    from effpretrain.errors import ConfigError
+
+    trainer = Trainer(load_config(RECIPE, SMALL + ["train.max_steps=2", "train.eval_every=0"]), tmp_path)
+    message = f"checkpoint {good_ckpt}: model weights do not match"
+    real_load = checkpoint.load_checkpoint
+
+    def as_if_sharded(path):
+        state = real_load(path)
+        state["trainer"]["optimizer_skeleton"] = {}  # what an FSDP2 checkpoint's trainer.pt holds
+        return state
+
+    def mismatch(*args, **kwargs):
+        raise ConfigError(message)
+
+    monkeypatch.setattr(checkpoint, "load_checkpoint", as_if_sharded)
+    monkeypatch.setattr(fsdp, "load_sharded", mismatch)
+    trainer.fsdp = True  # the sharded branch of `_load`, as under dist.sharding=fsdp2
+    with pytest.raises(ConfigError) as caught:
+        trainer._load(good_ckpt, allow_config_change=False)
+    assert str(caught.value) == message
+
+
 class Evil:
     def __reduce__(self):
         return (print, ("pwned",))
