@@ -191,8 +191,9 @@ class OptimConfig:
     """Adam's first-moment decay."""
     beta2: Beta = 0.999
     """Adam's second-moment decay."""
-    eps: PositiveFloat = 1e-8
-    """Adam's denominator epsilon."""
+    eps: PositiveFloat | None = None
+    """Adam's denominator epsilon; `null`: the method's reference value (the class default: 1e-8
+    for AdamW, Stable-SPAM and 8-bit GaLore, 1e-6 for GaLore, Fira, APOLLO and SPAM)."""
     rank: PositiveInt = 128
     """Projected methods: rank r of the projection."""
     update_proj_gap: PositiveInt = 200
@@ -382,6 +383,11 @@ def _check(key: str, value: Any, tp: Any, source: str) -> None:
     elif origin is Literal:
         if value not in typing.get_args(tp):
             raise _not_one_of(source, key, value, typing.get_args(tp))
+    elif origin in (Union, types.UnionType):
+        if value is not None:  # an optional field: its other member's constraints apply
+            for arg in typing.get_args(tp):
+                if arg is not type(None):
+                    _check(key, value, arg, source)
     elif origin is list:
         (inner,) = typing.get_args(tp)
         for i, v in enumerate(value):
@@ -464,6 +470,10 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
         return _coerce(value, base, key, source)
     if tp is Any:
         return _plain(value, key, source)
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"{source}: {key}={_show(value)} has the wrong type (expected null)")
     if origin is Literal:
         choices = typing.get_args(tp)
         if any(value == c and type(value) is type(c) for c in choices):
@@ -668,6 +678,8 @@ def _allowed(tp: Any) -> str:
         return f"a list of {inner}" if inner else "a list"
     if origin is dict:
         return "a mapping"
+    if origin in (Union, types.UnionType):
+        return " or ".join("`null`" if a is type(None) else _allowed(a) for a in typing.get_args(tp))
     if origin is Annotated:
         base, *meta = typing.get_args(tp)
         for m in meta:

@@ -111,7 +111,7 @@ def build_run_config(
     min_lr_ratio: float = 0.1,
     schedule: str = "cosine",
     betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
+    eps: float | None = None,
     rank: int = 128,
     update_proj_gap: int = 200,
     scale: float = 0.25,
@@ -142,7 +142,7 @@ def build_run_config(
             weight_decay=float(weight_decay),
             beta1=float(betas[0]),
             beta2=float(betas[1]),
-            eps=float(eps),
+            eps=None if eps is None else float(eps),
             rank=int(rank),
             update_proj_gap=int(update_proj_gap),
             scale=float(scale),
@@ -182,7 +182,7 @@ def create_optimizer(
     min_lr_ratio: float = 0.1,
     schedule: str = "cosine",
     betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
+    eps: float | None = None,
     rank: int = 128,
     update_proj_gap: int = 200,
     scale: float = 0.25,
@@ -216,7 +216,7 @@ def create_optimizer(
         min_lr_ratio: final LR as a fraction of `lr`.
         schedule: "cosine", "linear" or "constant" after warmup.
         betas: Adam's (beta1, beta2).
-        eps: Adam's epsilon.
+        eps: Adam's epsilon; None: the method's reference value (its class default).
         rank: projection rank r (projection methods).
         update_proj_gap: basis refresh period T (projection methods).
         scale: projected update scale alpha (projection methods).

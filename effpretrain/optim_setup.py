@@ -110,15 +110,14 @@ def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str,
 
 def optimizer_kwargs(cfg: RunConfig) -> dict[str, Any]:
     """Constructor keywords: the common Adam settings, `optim.extra` (without the basis options,
-    which go to projected groups) and the run length for methods that need it (the registry)."""
+    which go to projected groups) and the run length for methods that need it (the registry).
+    ``optim.eps`` null passes no eps, so the method's own reference value applies (GaLore, Fira,
+    APOLLO and SPAM use 1e-6, AdamW 1e-8: one fixed default would be wrong for half of them)."""
     o = cfg.optim
-    kw: dict[str, Any] = {
-        "lr": o.lr,
-        "betas": (o.beta1, o.beta2),
-        "eps": o.eps,
-        "weight_decay": o.weight_decay,
-        **o.extra,
-    }
+    kw: dict[str, Any] = {"lr": o.lr, "betas": (o.beta1, o.beta2), "weight_decay": o.weight_decay}
+    if o.eps is not None:
+        kw["eps"] = o.eps
+    kw.update(o.extra)
     return optimizers.method_spec(o.name).constructor_kwargs(kw, total_steps=cfg.train.max_steps)
 
 

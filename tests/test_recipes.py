@@ -23,7 +23,8 @@ RECIPES = ROOT / "recipes"
 LAUNCHER_DIR = RECIPES / "accelerate"
 ALL = sorted(RECIPES.rglob("*.yaml"))
 LAUNCHERS = [p for p in ALL if LAUNCHER_DIR in p.parents]
-RUNS = [p for p in ALL if LAUNCHER_DIR not in p.parents]
+SOURCES = RECIPES / "sources.yaml"  # the table of published values (tests/test_recipe_sources.py)
+RUNS = [p for p in ALL if LAUNCHER_DIR not in p.parents and p != SOURCES]
 
 
 def _id(path: Path) -> str:
