@@ -335,3 +335,20 @@ def test_zero_gradient_step_is_finite():
 def test_unknown_rule_is_rejected():
     with pytest.raises(ValueError, match="rule"):
         StableSPAM([torch.nn.Parameter(torch.zeros(2))], rule="paper")
+
+
+def test_state_dict_saved_before_rule_existed_keeps_the_global_step_rule():
+    """A checkpoint from before `rule` (groups with reset_stats_correction) ran the global-step
+    rule; loading it keeps that rule instead of failing at the next step."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = StableSPAM([p], rule="global_step", reset_interval=2)
+    step_with(opt, p, [1.0])
+    sd = opt.state_dict()
+    del sd["param_groups"][0]["rule"]
+    sd["param_groups"][0]["reset_stats_correction"] = False
+    fresh = StableSPAM([p], reset_interval=2)
+    fresh.load_state_dict(sd)
+    group = fresh.param_groups[0]
+    assert group["rule"] == "global_step" and "reset_stats_correction" not in group
+    step_with(fresh, p, [2.0])
+    assert fresh.state[p]["step"] == 1  # the global-step reset at t = 2 ran before the update
