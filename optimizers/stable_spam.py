@@ -80,38 +80,66 @@ def _cosine(progress: float) -> float:
 class StableSPAM(torch.optim.Optimizer):
     r"""Stable-SPAM: AdamW with adaptive clipping, adaptive norm scaling and momentum reset.
 
-    For each parameter tensor with gradient G at global step t (1-based, counted per tensor):
+    The default, ``rule="official"``, is the rule of the official code (TianjinYellow/StableSPAM,
+    galore_torch/stablespam.py), which the benchmark ran unchanged (OptimAI-Lab/
+    Memory_Efficient_Pretraining, para_eff_pt/pt_stable_spam/stablespam.py); PAPER.md 2.2 and 5.
+    For each parameter tensor with gradient G at global step t (1-based, counted per tensor),
+    with Adam's step counter k (advanced first, k = t until the first reset) and the annealing
+    factor s_t:
 
+    0. Annealing: a cosine over T + 1 steps (T = `total_steps`) from 1 to s_min = `anneal_min`::
+
+           s_t = s_min + (1 - s_min) (1 + cos(pi min(t, T + 1) / (T + 1))) / 2
+
+       (the official code's CosineAnnealingLR(T_max = T + 1) is periodic and would rise again
+       after step T + 1; we hold s_min there, which only matters past the run's end).
     1. Adaptive element-wise clipping (AdaClip), theta = `theta`::
 
-           T_t  = theta T_{t-1} + (1 - theta) max|G|,     T^_t = T_t / (1 - theta^t)
+           T_t  = theta T_{t-1} + (1 - theta) max|G|,     T^_t = T_t / (1 - theta^k)
            G_ij <- G_ij * T^_t / max|G|   where |G_ij| > T^_t        (clip_rule="rescale")
            G_ij <- sign(G_ij) T^_t        where |G_ij| > T^_t        (clip_rule="clamp")
 
-       "rescale" is what the official Stable-SPAM code does (the largest entry lands exactly on
-       T^_t, the others above it are scaled by the same factor); "clamp" is the literal reading
-       of "entries above it are scaled down to it" (PAPER.md 2.2, unconfirmed which the
-       benchmark means), kept as a knob.
-    2. Adaptive gradient-norm scaling (AdaGN), gamma1 annealed by the cosine factor s_t below::
+       "rescale" is what the official code does (the largest entry lands exactly on T^_t, the
+       others above it are scaled by the same factor); "clamp" is the literal reading of
+       "entries above it are scaled down to it", kept as a knob.
+    2. Adaptive gradient-norm scaling (AdaGN) on the clipped G, gamma1 annealed::
 
            m_t = (gamma1 s_t) m_{t-1} + (1 - gamma1 s_t) ||G||,   v_t = gamma2 v_{t-1} + (1 - gamma2) ||G||^2
-           G  <- G / ||G|| * m^_t / (sqrt(v^_t) + eps)            (^ = bias-corrected)
-    3. Momentum reset (MoRet): every `reset_interval` (Delta T) global steps, Adam's exp_avg,
-       exp_avg_sq and step counter restart from zero before the update, so the step that hits
-       the boundary is step 1 of the fresh moments. (The official code resets a copy and still
-       updates with the old moments on that step; we implement the stated rule.)
-    4. AdamW with beta1 annealed: beta1_t = beta1 s_t, s_t = anneal_min + (1 - anneal_min) *
-       (1 + cos(pi min(t, T) / T)) / 2 with T = `total_steps`, so s goes 1 -> anneal_min (0.5).
-       Bias correction uses the current beta1_t, as the official code does. The update is
-       torch.optim.AdamW's: p <- p (1 - lr lambda) - lr / (1 - beta1_t^k) m / (sqrt(v / (1 - beta2^k)) + eps).
+           m^_t = m_t / (1 - (gamma1 s_t)^k),   v^_t = v_t / (1 - gamma2^k)
+           G  <- G / ||G|| * m^_t / (sqrt(v^_t) + eps)               (unchanged when ||G|| = 0)
 
-    The clipping and norm EMAs are never reset. By default their bias correction uses the
-    global step t, which matches them; `reset_stats_correction=True` uses the Adam step k that
-    the reset restarts instead, as the official code does (unconfirmed which the benchmark ran;
-    with it, clipping is effectively off for a while after each reset).
+       T_t, m_t and v_t are never reset, but their bias correction uses k, which every momentum
+       reset restarts: right after a reset 1 - theta^k is tiny, T^_t is hundreds of times T_t
+       (clipping is effectively off) and v^_t is inflated likewise.
+    3. Adam with beta1_t = beta1 s_t, as torch.optim.AdamW computes it (decay first)::
+
+           p <- p (1 - lr lambda);  m <- beta1_t m + (1 - beta1_t) G;  v <- beta2 v + (1 - beta2) G^2
+           p <- p - lr / (1 - beta1_t^k) m / (sqrt(v / (1 - beta2^k)) + eps)
+    4. Momentum reset (MoRet) when t is a multiple of Delta T = `reset_interval`: steps 1-2 use
+       the advanced k as usual, step 3 advances the old moments and applies them with k = 1
+       bias correction, and only then are m and v replaced by zeros and k set to 1, so the next
+       step uses k = 2 with moments that hold one gradient.
+
+    ``rule="global_step"`` is the rule this class ran before (kept for comparison): T^_t, m^_t
+    and v^_t are bias-corrected with the global step t (matching the never-reset EMAs); at a
+    reset m, v and k restart from zero before the update (the boundary step is step k = 1 of
+    fresh moments); and s_t is the cosine over T steps,
+    s_t = s_min + (1 - s_min) (1 + cos(pi min(t, T) / T)) / 2. On spiky synthetic gradients the
+    two rules' updates differ by ~25% per step after a reset (median; tests/optimizers).
+
+    Differences from the official code, on purpose: t and the reset schedule are counted per
+    tensor (the official code counts optimizer steps, the same when every parameter has a
+    gradient each step, and does not save its count in the state dict); the official code
+    also writes the clipped values into p.grad, ours leaves p.grad alone. The scalar statistics
+    T_t, m_t, v_t are fp32 whatever the parameter dtype. In pure bf16 the official code keeps
+    them as bf16 scalars, where an EMA with coefficient 0.999 stops moving: 0.999 T rounds back
+    to T (bf16's half-ulp is 2^-9 to 2^-8 relative), so T_t and v_t never decay and rise only on
+    a sample more than 2-4 times their value (on steady gradients T_t stalls at a fraction of
+    max|G|), while m_t (coefficient 0.425-0.85) keeps moving at bf16's 3 significant digits.
+    We follow the fp32 rule instead (bf16 cannot even represent 0.999).
 
     With adaptive_clip=False, norm_scaling=False, reset_interval=0 and total_steps=None the
-    optimizer is exactly torch.optim.AdamW (same lr, betas, eps, weight_decay).
+    optimizer is exactly torch.optim.AdamW (same lr, betas, eps, weight_decay), under either rule.
 
     Args:
         params: Parameters or param groups (torch format). Every option below may be set per group.
@@ -122,14 +150,14 @@ class StableSPAM(torch.optim.Optimizer):
         gamma1: gamma1, EMA coefficient of ||G|| (annealed by s_t). Paper default 0.85.
         gamma2: gamma2, EMA coefficient of ||G||^2. Paper default 0.999.
         theta: theta, EMA coefficient of max|G| for the clipping threshold. Paper default 0.999.
-        total_steps: T, the run length for the cosine annealing of beta1 and gamma1. None turns
-            annealing off (s_t = 1); pass the number of optimizer steps of the run.
-        anneal_min: Final value of the annealing factor s_t (paper: 0.5).
+        total_steps: T, the run length for the cosine annealing of beta1 and gamma1 (the official
+            code's total_T). None turns annealing off (s_t = 1); pass the run's optimizer steps.
+        anneal_min: Final value of the annealing factor s_t (official eta_min, 0.5).
         reset_interval: Delta T, steps between momentum resets (paper 500); 0 never resets.
         adaptive_clip: Switches step 1 (AdaClip) on or off.
         clip_rule: "rescale" (official code, default) or "clamp"; see step 1.
         norm_scaling: Switches step 2 (AdaGN) on or off.
-        reset_stats_correction: See above; False (default) bias-corrects the EMAs with t.
+        rule: "official" (default) or "global_step"; see above.
 
     State per parameter: ``step`` (int, Adam step k, restarted by resets), ``global_step``
     (int, t), ``exp_avg`` and ``exp_avg_sq`` (param shape and dtype), and the fp32 scalars
@@ -138,6 +166,7 @@ class StableSPAM(torch.optim.Optimizer):
 
     # Scalar EMAs kept in fp32 whatever the param dtype (bf16 cannot even represent 0.999).
     _FP32_KEYS = ("exp_avg_max", "exp_avg_norm", "exp_avg_norm_sq")
+    RULES = ("official", "global_step")
 
     def __init__(
         self,
@@ -155,7 +184,7 @@ class StableSPAM(torch.optim.Optimizer):
         adaptive_clip: bool = True,
         clip_rule: str = "rescale",
         norm_scaling: bool = True,
-        reset_stats_correction: bool = False,
+        rule: str = "official",
     ) -> None:
         if lr < 0.0:
             raise ValueError(f"invalid lr {lr}: must be >= 0")
@@ -172,6 +201,8 @@ class StableSPAM(torch.optim.Optimizer):
             raise ValueError(f"invalid reset_interval {reset_interval}: must be >= 0")
         if clip_rule not in ("rescale", "clamp"):
             raise ValueError(f"invalid clip_rule {clip_rule!r}: choose 'rescale' or 'clamp'")
+        if rule not in self.RULES:
+            raise ValueError(f"invalid rule {rule!r}: choose 'official' or 'global_step'")
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -186,7 +217,7 @@ class StableSPAM(torch.optim.Optimizer):
             adaptive_clip=adaptive_clip,
             clip_rule=clip_rule,
             norm_scaling=norm_scaling,
-            reset_stats_correction=reset_stats_correction,
+            rule=rule,
         )
         super().__init__(params, defaults)
 
@@ -196,18 +227,20 @@ class StableSPAM(torch.optim.Optimizer):
 
         ``2 * numel * itemsize(dtype) + 3 * 4``: exp_avg and exp_avg_sq in the param dtype plus
         three fp32 scalar EMAs; the step counters are python ints (0 bytes). Independent of
-        the group options: the EMAs are kept even when a feature is switched off.
+        the group options (either rule): the EMAs are kept even when a feature is switched off.
         """
         numel = math.prod(shape)
         return 2 * numel * torch.empty((), dtype=dtype).element_size() + 3 * 4
 
     def annealing_factor(self, group: dict[str, Any], t: int) -> float:
-        """s_t = anneal_min + (1 - anneal_min) (1 + cos(pi min(t, T) / T)) / 2; 1 without T."""
+        """s_t = s_min + (1 - s_min) (1 + cos(pi min(t, S) / S)) / 2 with S = T + 1 (official
+        rule) or S = T (global_step rule); 1 without T."""
         total = group["total_steps"]
         if total is None:
             return 1.0
+        span = total + 1 if group["rule"] == "official" else total
         lo = group["anneal_min"]
-        return lo + (1.0 - lo) * _cosine(t / total)
+        return lo + (1.0 - lo) * _cosine(t / span)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -216,82 +249,112 @@ class StableSPAM(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            eps = group["eps"]
-            theta, gamma2 = group["theta"], group["gamma2"]
-            interval = group["reset_interval"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("StableSPAM does not support sparse gradients")
-                state = self.state[p]
-                if "exp_avg" not in state:
-                    _init_adam_state(state, p)
-                    for key in self._FP32_KEYS:
-                        state[key] = torch.zeros((), dtype=torch.float32, device=p.device)
-
-                state["global_step"] += 1
-                t = state["global_step"]
-                if interval > 0 and t % interval == 0:
-                    # Momentum reset: the moments and Adam's step restart before this update.
-                    state["exp_avg"].zero_()
-                    state["exp_avg_sq"].zero_()
-                    state["step"] = 0
-                state["step"] += 1
-                k = state["step"]
-                t_stats = k if group["reset_stats_correction"] else t
-                s = self.annealing_factor(group, t)
-
-                shards = _shard_group(p)
-                grad = _local(p.grad)
-                if group["adaptive_clip"]:
-                    # fp32 statistics: a bf16 max/threshold would round the EMA away.
-                    g_max = _whole_max_abs(grad, shards)
-                    ema_max = state["exp_avg_max"]
-                    ema_max.mul_(theta).add_(g_max, alpha=1 - theta)
-                    threshold = ema_max / (1 - theta**t_stats)
-                    spike = grad.abs() > threshold
-                    if group["clip_rule"] == "rescale":
-                        # Where nothing spikes, g_max may be 0 and the ratio nan; where() drops it.
-                        clipped = grad * (threshold / g_max).to(grad.dtype)
-                    else:
-                        clipped = grad.sign() * threshold.to(grad.dtype)
-                    grad = torch.where(spike, clipped, grad)
-
-                if group["norm_scaling"]:
-                    gamma1 = group["gamma1"] * s
-                    norm = _whole_norm(grad, shards)
-                    ema_norm, ema_norm_sq = state["exp_avg_norm"], state["exp_avg_norm_sq"]
-                    ema_norm.mul_(gamma1).add_(norm, alpha=1 - gamma1)
-                    ema_norm_sq.mul_(gamma2).add_(norm * norm, alpha=1 - gamma2)
-                    m_hat = ema_norm / (1 - gamma1**t_stats)
-                    v_hat = ema_norm_sq / (1 - gamma2**t_stats)
-                    target = m_hat / (v_hat.sqrt() + eps)
-                    # A zero gradient (e.g. a checkpoint loader's dummy step) stays zero.
-                    factor = torch.where(norm > 0, target / norm, torch.ones_like(norm))
-                    grad = grad * factor.to(grad.dtype)
-
-                _adamw_update_(
-                    _local(p),
-                    grad,
-                    _local(state["exp_avg"]),
-                    _local(state["exp_avg_sq"]),
-                    k,
-                    group["lr"],
-                    beta1 * s,
-                    beta2,
-                    eps,
-                    group["weight_decay"],
-                )
+                self._step_param(p, group)
         return loss
+
+    def _step_param(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        """Steps 0-4 of the class docstring for one parameter."""
+        state = self.state[p]
+        if "exp_avg" not in state:
+            _init_adam_state(state, p)
+            for key in self._FP32_KEYS:
+                state[key] = torch.zeros((), dtype=torch.float32, device=p.device)
+        official = group["rule"] == "official"
+        interval = group["reset_interval"]
+        state["global_step"] += 1
+        t = state["global_step"]
+        reset = interval > 0 and t % interval == 0
+        if reset and not official:
+            _zero_moments_(state, 0)
+        state["step"] += 1
+        k = state["step"]
+        s = self.annealing_factor(group, t)
+        t_stats = k if official else t
+
+        shards = _shard_group(p)
+        grad = _local(p.grad)
+        if group["adaptive_clip"]:
+            grad = _adaptive_clip(grad, state["exp_avg_max"], group, t_stats, shards)
+        if group["norm_scaling"]:
+            grad = _norm_scale(grad, state, group, s, t_stats, shards)
+
+        beta1, beta2 = group["betas"]
+        _adamw_update_(
+            _local(p),
+            grad,
+            _local(state["exp_avg"]),
+            _local(state["exp_avg_sq"]),
+            1 if reset and official else k,
+            group["lr"],
+            beta1 * s,
+            beta2,
+            group["eps"],
+            group["weight_decay"],
+        )
+        if reset and official:
+            # The official reset: the boundary step used the old moments (with k = 1); the next
+            # step starts from zero moments with k = 2.
+            _zero_moments_(state, 1)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's loader, then the fp32 scalar EMAs restored in fp32 (torch casts them to the
-        param dtype, which would make a bf16 resume inexact)."""
+        param dtype, which would make a bf16 resume inexact). A state dict saved before `rule`
+        existed ran the global-step rule and keeps it."""
         _load_state_dict_keep_fp32(self, state_dict, self._FP32_KEYS)
+        for group in self.param_groups:
+            if "rule" not in group:
+                group.pop("reset_stats_correction", None)
+                group["rule"] = "global_step"
+
+
+def _zero_moments_(state: dict[str, Any], step: int) -> None:
+    """Momentum reset: zero Adam's moments in place and set its step counter to `step`."""
+    state["exp_avg"].zero_()
+    state["exp_avg_sq"].zero_()
+    state["step"] = step
+
+
+def _adaptive_clip(
+    grad: torch.Tensor, ema_max: torch.Tensor, group: dict[str, Any], t_stats: int, shards: Any
+) -> torch.Tensor:
+    """AdaClip (step 1): updates T_t (`ema_max`, fp32, in place) and returns the clipped G.
+
+    The statistics stay fp32: a bf16 max/threshold would round the EMA away.
+    """
+    theta = group["theta"]
+    g_max = _whole_max_abs(grad, shards)
+    ema_max.mul_(theta).add_(g_max, alpha=1 - theta)
+    threshold = ema_max / (1 - theta**t_stats)
+    spike = grad.abs() > threshold
+    if group["clip_rule"] == "rescale":
+        # Where nothing spikes, g_max may be 0 and the ratio nan; where() drops it.
+        clipped = grad * (threshold / g_max).to(grad.dtype)
+    else:
+        clipped = grad.sign() * threshold.to(grad.dtype)
+    return torch.where(spike, clipped, grad)
+
+
+def _norm_scale(
+    grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any], s: float, t_stats: int, shards: Any
+) -> torch.Tensor:
+    """AdaGN (step 2): updates m_t and v_t (fp32, in place) and returns G rescaled to m^ / (sqrt(v^) + eps)."""
+    gamma1, gamma2 = group["gamma1"] * s, group["gamma2"]
+    norm = _whole_norm(grad, shards)
+    ema_norm, ema_norm_sq = state["exp_avg_norm"], state["exp_avg_norm_sq"]
+    ema_norm.mul_(gamma1).add_(norm, alpha=1 - gamma1)
+    ema_norm_sq.mul_(gamma2).add_(norm * norm, alpha=1 - gamma2)
+    m_hat = ema_norm / (1 - gamma1**t_stats)
+    v_hat = ema_norm_sq / (1 - gamma2**t_stats)
+    target = m_hat / (v_hat.sqrt() + group["eps"])
+    # A zero gradient (e.g. a checkpoint loader's dummy step) stays zero.
+    factor = torch.where(norm > 0, target / norm, torch.ones_like(norm))
+    return grad * factor.to(grad.dtype)
 
 
 class SPAM(torch.optim.Optimizer):
