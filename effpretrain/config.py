@@ -175,6 +175,12 @@ class FactorConfig:
     """SLTrain: fraction delta of each weight's entries in the fixed random sparse support."""
     seed: Seed = 0
     """Seed of the factor initialisation and of SLTrain's sparse support."""
+    warm_start_steps: NonNegativeInt = 0
+    """Full-rank warm start of N steps before the factors train, for kinds whose registry row
+    warm-starts (`relora`); 0: off. Steps 1..N train every W0 (a plain group, the run's optimizer
+    settings) with B = 0 and A frozen; after step N, W0 is frozen (its optimizer state freed), B and
+    A train from fresh state, the LR re-ramps over `restarts.recovery_steps` as after a merge, and
+    merges follow steps N + k `restarts.every`. The LR schedule is the run's, over all steps."""
 
 
 @dataclass

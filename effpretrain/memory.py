@@ -32,6 +32,7 @@ or the process's peak RSS on CPU).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import resource
@@ -189,16 +190,26 @@ class _Tally:
         self.state += self.method.state_bytes(shape if whole else self.mine(shape), group or {}, self.dtype)
 
 
-def _tally_factorized(t: _Tally, m: int, n: int, spec: FactorSpec, rank: int, density: float) -> int:
+def _tally_factorized(
+    t: _Tally, m: int, n: int, spec: FactorSpec, rank: int, density: float, warm_start: bool = False
+) -> int:
     """Adds one factorized m x n target (B m x r, A r x n, [sparse values], [frozen W0], [index
-    buffer, not sharded]) to `t`; returns its element count."""
+    buffer, not sharded]) to `t`; returns its element count. In a warm start (`warm_start`, a kind
+    with `warm_starts`) the roles swap: W0 trains (weight, gradient, plain unprojected state) and
+    the factors are stored only."""
     counts = spec.param_counts(m, n, rank, density)
+    warm = warm_start and spec.warm_starts
     for shape in _factor_param_shapes(m, n, rank, counts):
-        t.trainable_tensor(shape)
-    if counts["frozen"]:  # LoRA's W0 (m x n), sharded like any parameter
+        if warm:
+            t.weights += t.stored(shape)
+        else:
+            t.trainable_tensor(shape)
+    if warm:
+        t.trainable_tensor((m, n))
+    elif counts["frozen"]:  # LoRA's W0 (m x n), sharded like any parameter
         t.weights += t.stored((m, n))
     t.index_bytes += counts["index_elements"] * torch.int64.itemsize
-    t.trainable += counts["trainable"]
+    t.trainable += m * n if warm else counts["trainable"]
     return counts["trainable"] + counts["frozen"]
 
 
@@ -221,12 +232,14 @@ def _tally_params(
     factor_targets: Sequence[str],
     factor_rank: int,
     density: float,
+    warm_start: bool = False,
 ) -> None:
-    """Adds every parameter to `t`: factorized targets as their factors, projected targets with
-    their whole low-rank state, the rest as dense trainable tensors."""
+    """Adds every parameter to `t`: factorized targets as their factors (or, in a warm start, as
+    their trained W0), projected targets with their whole low-rank state, the rest as dense
+    trainable tensors."""
     for s in shapes:
         if factor is not None and s.linear in factor_targets:
-            t.params += _tally_factorized(t, *s.shape, factor, factor_rank, density)
+            t.params += _tally_factorized(t, *s.shape, factor, factor_rank, density, warm_start)
             continue
         projected = proj_group is not None and s.linear in proj_targets
         t.trainable_tensor(s.shape, proj_group if projected else None)
@@ -273,11 +286,14 @@ def estimate(
     activation_checkpointing: int = 0,
     world_size: int = 1,
     sharding: str = "none",
+    warm_start: bool = False,
 ) -> Estimate:
     """Analytic memory of training `preset` with optimizer `method` (see module docstring).
 
     `dtype` is a `PRECISIONS` name. Under FSDP2 each parameter is split on dim 0 into
     `world_size` chunks with torch.chunk's sizes and the figures are rank 0's (the largest share).
+    `warm_start`: the full-rank warm-start phase of a kind that has one (ReLoRA's W0 trained with
+    the run's optimizer in a plain group, the factors frozen); ignored for other kinds.
     """
     from effpretrain.config import OptimConfig
 
@@ -295,6 +311,7 @@ def estimate(
         list(factor_targets or ATTN_MLP_TARGETS),
         factor_rank,
         density,
+        warm_start,
     )
     acts = activation_bytes(
         preset, vocab_size, batch_size, seq_len, activation_checkpointing, prec.activations
@@ -312,7 +329,29 @@ def estimate(
 
 
 def estimate_from_config(cfg: Any, vocab_size: int, world_size: int = 1, sharding: str = "none") -> Estimate:
-    """The estimate for a resolved RunConfig (what the trainer stores in summary.json)."""
+    """The estimate for a resolved RunConfig (what the trainer stores in summary.json).
+
+    A run with a full-rank warm start (`factor.warm_start_steps` > 0) has two phases: the warm
+    start (W0 trained: m n gradient and full-rank state per target) and the factorized phase after
+    the switch. The estimate returned is the phase with the larger total (the warm start, unless
+    r (m + n) > m n), with ``detail["phase"]`` naming it and ``detail["phases"]`` holding
+    weights, grads, optimizer_state, total and trainable_params of both ("warm_start",
+    "factorized").
+    """
+    run = functools.partial(_estimate_config, cfg, vocab_size, world_size, sharding)
+    factorized = run(warm_start=False)
+    spec = factor_spec(cfg.factor.kind) if cfg.factor.kind != "none" else None
+    if not (cfg.factor.warm_start_steps and spec is not None and spec.warm_starts):
+        return factorized
+    phases = {"warm_start": run(warm_start=True), "factorized": factorized}
+    keys = ("weights", "grads", "optimizer_state", "total", "trainable_params")
+    table = {name: {k: getattr(e, k) for k in keys} for name, e in phases.items()}
+    phase = max(phases, key=lambda name: phases[name].total)
+    peak = phases[phase]
+    return dataclasses.replace(peak, detail={**peak.detail, "phase": phase, "phases": table})
+
+
+def _estimate_config(cfg: Any, vocab_size: int, world_size: int, sharding: str, warm_start: bool) -> Estimate:
     return estimate(
         cfg.model.preset,
         cfg.optim.name,
@@ -328,6 +367,7 @@ def estimate_from_config(cfg: Any, vocab_size: int, world_size: int = 1, shardin
         activation_checkpointing=cfg.train.activation_checkpointing,
         world_size=world_size,
         sharding=sharding,
+        warm_start=warm_start,
     )
 
 

@@ -7,6 +7,7 @@ a `create_optimizer(...)` call with the same values train with the same groups a
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -16,6 +17,47 @@ import optimizers
 from effpretrain import memory
 from effpretrain.config import RunConfig
 from effpretrain.errors import ConfigError
+
+log = logging.getLogger("effpretrain")
+
+# ----------------------------------------------------------------------------------------------
+# Full-rank warm start (ReLoRA)
+
+
+def warm_start_steps(cfg: RunConfig, world_size: int = 1) -> int:
+    """`factor.warm_start_steps` (N), after refusing the set-ups that cannot run it.
+
+    N > 0 needs a factor kind whose registry row warm-starts (`FactorSpec.warm_starts`: ReLoRA).
+    Under FSDP2 with several processes it is refused: the switch from W0 to the factors changes
+    which parameters train, and that path is implemented and tested for one process and DDP only.
+    N >= `train.max_steps` is allowed (a warm-start-only run) and logged: the factors never train.
+
+    Raises:
+        ConfigError: N > 0 with a kind that does not warm-start, or with FSDP2 on several processes.
+    """
+    from effpretrain.models import FACTOR_KINDS, factor_spec
+
+    n, kind = cfg.factor.warm_start_steps, cfg.factor.kind
+    if not n:
+        return 0
+    if kind == "none" or not factor_spec(kind).warm_starts:
+        able = ", ".join(k for k, spec in FACTOR_KINDS.items() if spec.warm_starts)
+        raise ConfigError(
+            f"factor.warm_start_steps={n} needs a factor.kind that warm-starts ({able}), not {kind}"
+        )
+    if world_size > 1 and cfg.dist.sharding == "fsdp2":
+        raise ConfigError(
+            f"factor.warm_start_steps={n} is not supported with dist.sharding=fsdp2 on {world_size} "
+            "processes; use dist.sharding=ddp"
+        )
+    if n >= cfg.train.max_steps:
+        log.warning(
+            "factor.warm_start_steps=%d >= train.max_steps=%d: the factors never train",
+            n,
+            cfg.train.max_steps,
+        )
+    return n
+
 
 # ----------------------------------------------------------------------------------------------
 # Schedule
@@ -31,6 +73,27 @@ def restart_ramps(cfg: RunConfig) -> bool:
     return r.every > 0 and r.recovery_steps > 0 and (r.reset_momentum or merges)
 
 
+def _restart_ramp(step: int, cfg: RunConfig) -> float:
+    """The recovery ramp's multiplier for update `step` + 1 (1 where there is none).
+
+    Without a warm start: `recovery_factor(step, T, R)` when restarts re-warm. With a warm start of
+    N steps: 1 during it; the switch at the end of step N counts as a restart (the factors start
+    from fresh state), so with s = step - N the ramp is that of a restart at s = 0 (floor at s = 0,
+    back on the schedule at s = R) and the restarts' own ramps follow at s = k T.
+    """
+    from optimizers.restarts import recovery_factor
+
+    r, n = cfg.restarts, cfg.factor.warm_start_steps
+    if not n:
+        return recovery_factor(step, r.every, r.recovery_steps) if restart_ramps(cfg) else 1.0
+    s, ramp = step - n, r.recovery_steps
+    if restart_ramps(cfg) and s >= r.every:
+        return recovery_factor(s, r.every, ramp)
+    if 0 <= s < ramp:
+        return recovery_factor(ramp + s, ramp, ramp)  # one period R after a restart at s = 0
+    return 1.0
+
+
 def lr_factor(step: int, cfg: RunConfig) -> float:
     """LR multiplier for optimizer step `step` (0-based).
 
@@ -38,7 +101,8 @@ def lr_factor(step: int, cfg: RunConfig) -> float:
     p = min(1, (step - W) / max(1, max_steps - W)) after them, the factor is (step + 1) / W
     during warmup, then m + (1 - m) (1 + cos(pi p)) / 2 (cosine), 1 - (1 - m) p (linear) or 1
     (constant), with m = `min_lr_ratio`; times the restart recovery ramp when restarts re-warm
-    (`restart_ramps`).
+    (`restart_ramps`), and after a warm start's switch (`_restart_ramp`). The global schedule runs
+    over the whole run, warm start included.
     """
     t = cfg.train
     warm = int(t.warmup_ratio * t.max_steps)
@@ -52,11 +116,7 @@ def lr_factor(step: int, cfg: RunConfig) -> float:
             f = 1 - (1 - t.min_lr_ratio) * progress
         else:
             f = 1.0
-    if restart_ramps(cfg):
-        from optimizers.restarts import recovery_factor
-
-        f *= recovery_factor(step, cfg.restarts.every, cfg.restarts.recovery_steps)
-    return f
+    return f * _restart_ramp(step, cfg)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -66,16 +126,28 @@ def lr_factor(step: int, cfg: RunConfig) -> float:
 def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str, Any]]:
     """Explicit rules (PAPER.md section 1): attention/MLP linear weights are projected for
     projection methods; every other matrix gets AdamW with weight decay; vectors (norms,
-    biases) get no weight decay. Frozen parameters are left out."""
+    biases) get no weight decay. Frozen parameters are left out.
+
+    With a warm start (`factor.warm_start_steps`) the groups are the same in both phases, so a
+    checkpoint's optimizer state loads whichever phase wrote it: B and A are in the decay group
+    even while frozen, and every W0 is in a last, plain group (the run's hyper-parameters and weight
+    decay, never projected). A parameter trains only while it requires grad; the optimizer skips
+    the others (no gradient) and makes no state for them.
+    """
+    from effpretrain.models.factorized import warm_start_layers
+
     o = cfg.optim
     spec = optimizers.method_spec(o.name)
     projected_method = spec.projects
     targets = set(o.targets)
+    warm = warm_start_layers(model) if cfg.factor.warm_start_steps else []
+    w0s = {id(layer.weight) for layer in warm}
+    phased = w0s | {id(p) for layer in warm for p in layer.factor_pair()}
     proj, decay, no_decay = [], [], []
     for mod_name, module in model.named_modules():
         attr = mod_name.rsplit(".", 1)[-1]
         for pname, p in module.named_parameters(recurse=False):
-            if not p.requires_grad:
+            if id(p) in w0s or not (p.requires_grad or id(p) in phased):
                 continue
             if (
                 projected_method
@@ -105,6 +177,8 @@ def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str,
         groups.append({"params": decay, "weight_decay": o.weight_decay})
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
+    if warm:
+        groups.append({"params": [layer.weight for layer in warm], "weight_decay": o.weight_decay})
     return groups
 
 
@@ -132,6 +206,7 @@ def wrap_restarts(
     spec = factor_spec(kind) if kind != "none" else None
     if spec is not None and spec.merges_at_restart:
         # ReLoRA's restart: merge B A into W0, re-init, reset only B and A's state (jagged LR in lr_factor).
+        # After a warm start of N steps the merges follow updates N + k every.
         return Restarts(
             opt,
             [],
@@ -139,6 +214,7 @@ def wrap_restarts(
             refactorize=False,
             reset_momentum=False,
             hooks=[lambda: relora_merge_(model, opt)],
+            start=cfg.factor.warm_start_steps,
         )
     pairs = factor_pairs(model) if (r.refactorize and spec is not None and spec.refactorizable) else []
     if r.refactorize and not pairs and kind != "none":
@@ -156,8 +232,10 @@ def build_optimizer_and_schedule(
 
     Raises:
         ConfigError: the method rejects its options (`optim: ...`), targets match nothing, the
-            rank exceeds a projected weight, or restarts ask for a refactorization without factors.
+            rank exceeds a projected weight, restarts ask for a refactorization without factors,
+            or a warm start is asked of a kind that has none (`warm_start_steps`).
     """
+    warm_start_steps(cfg)
     groups = build_param_groups(model, cfg)
     try:
         opt = optimizers.build_optimizer(cfg.optim.name, groups, **optimizer_kwargs(cfg))

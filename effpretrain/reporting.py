@@ -23,6 +23,7 @@ import torch
 import optimizers
 from effpretrain import memory
 from effpretrain.config import RunConfig, config_hash, dump_yaml, to_dict
+from effpretrain.models.factorized import warming_up
 from effpretrain.optim_setup import opt_telemetry
 from optimizers._sharded import local as _local
 
@@ -187,6 +188,9 @@ def build_summary(
     weight_bytes = sum(_local(v).numel() * v.element_size() for v in model.state_dict().values())
     est = memory.estimate_from_config(cfg, vocab_size, acc.num_processes, sharding)
     measured_state = optimizers.measured_state_bytes(opt)
+    # A run with a warm start ends in its factorized phase (unless it never left the warm start).
+    phase = est.detail.get("phases", {}).get("warm_start" if warming_up(model) else "factorized")
+    est_state = phase["optimizer_state"] if phase else est.optimizer_state
     return {
         "method": cfg.method,
         "optimizer": cfg.optim.name,
@@ -207,7 +211,7 @@ def build_summary(
         "grad_bytes": grad_bytes,
         "estimated": est.as_dict(),
         "estimate_matches_measured": {
-            "optimizer_state": est.optimizer_state == measured_state,
+            "optimizer_state": est_state == measured_state,
             "weights": est.weights == weight_bytes,
         },
         "device": device_name(acc.device),

@@ -31,7 +31,8 @@ from effpretrain.errors import ConfigError
 from effpretrain.launch import check_launch, make_accelerator
 from effpretrain.loss import token_loss_sum
 from effpretrain.models import set_activation_checkpointing
-from effpretrain.optim_setup import build_optimizer_and_schedule, opt_telemetry
+from effpretrain.models.factorized import begin_warm_start_, end_warm_start_, warming_up
+from effpretrain.optim_setup import build_optimizer_and_schedule, opt_telemetry, warm_start_steps
 from effpretrain.reporting import RunClock, RunReport, build_summary
 from effpretrain.run_model import build_run_model
 from effpretrain.signals import StopSignals
@@ -84,6 +85,7 @@ class Trainer:
         self._saved_step: int | None = None  # the step whose checkpoint this run wrote or resumed
         if self.resume_path is not None:
             self._load(self.resume_path, allow_config_change)
+        self._end_warm_start_if_due()  # a run resumed past its switch trains the factors
 
     # -- set-up steps -------------------------------------------------------------------------
     def _set_up_processes(self) -> None:
@@ -93,6 +95,7 @@ class Trainer:
         self.rank, self.world = self.acc.process_index, self.acc.num_processes
         self.is_main = self.acc.is_main_process
         check_launch(self.world, self.cfg)
+        warm_start_steps(self.cfg, self.world)  # refuse an impossible warm start before any work
         set_seed(self.cfg.train.seed)
 
     def _resume_target(self, resume: str | None) -> Path | None:
@@ -120,6 +123,8 @@ class Trainer:
     def _build_model(self) -> torch.nn.Module:
         t = self.cfg.train
         model, self.factor_report = build_run_model(self.cfg, self.tok.vocab_size)
+        if self.cfg.factor.warm_start_steps:
+            begin_warm_start_(model)  # before DDP wraps it: DDP reduces what requires grad now
         set_activation_checkpointing(model, t.activation_checkpointing)
         if t.precision == "bf16-pure":
             model = model.to(torch.bfloat16)
@@ -184,6 +189,7 @@ class Trainer:
                     self._skip(report, loss, gnorm)
                     continue
                 self._count_step()
+                self._end_warm_start_if_due()
                 self._log_step(report, clock, loss, gnorm)
                 last_val = self._maybe_evaluate(report) or last_val
                 self._maybe_save()
@@ -234,6 +240,38 @@ class Trainer:
         p.consecutive_skips = 0
         p.step += 1
         p.tokens += self.tokens_per_step
+
+    def _end_warm_start_if_due(self) -> None:
+        """The warm start's switch, once `factor.warm_start_steps` steps are done (right after that
+        step, or on resuming past it): W0 frozen with its optimizer state freed, B and A trainable
+        (`end_warm_start_`). DDP all-reduces only the parameters that required grad when it wrapped
+        the model, so the model is wrapped again for the factors."""
+        n = self.cfg.factor.warm_start_steps
+        model = self.acc.unwrap_model(self.model)
+        if not n or self.progress.step < n or not warming_up(model):
+            return
+        end_warm_start_(model, self.inner_opt)
+        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            self._rewrap_ddp()
+        log.info("step %d: warm start done, training the factors from here", self.progress.step)
+
+    def _rewrap_ddp(self) -> None:
+        """A new DDP around the same module, built as Accelerate built the old one (its kwargs
+        handler and device ids); Accelerate's reference to the old wrapper is replaced so the old
+        reducer and its gradient hooks are released."""
+        old, handler = self.model, self.acc.ddp_handler
+        new = torch.nn.parallel.DistributedDataParallel(
+            old.module,
+            device_ids=old.device_ids,
+            output_device=old.output_device,
+            **(handler.to_kwargs() if handler is not None else {}),
+        )
+        if handler is not None:
+            handler.register_comm_hook(new)
+        new._is_accelerate_prepared = True
+        models = self.acc._models
+        models[:] = [new if m is old else m for m in models]
+        self.model = new
 
     def _log_step(self, report: RunReport, clock: RunClock, loss: float, gnorm: float) -> None:
         p, t = self.progress, self.cfg.train

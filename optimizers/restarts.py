@@ -20,7 +20,8 @@ k = 1, 2, ...:
     wrapper step s (1-based count of inner steps taken)  ->  restart right after inner step s = k T.
 
 So the restart happens after the k T-th update, and the LR for update k T + 1 is the first one
-that `recovery_factor(k T, T, R)` lowers. Its counters are saved in its state dict.
+that `recovery_factor(k T, T, R)` lowers. With `start=S` the periods begin after update S: the
+restarts follow updates S + k T. Its counters are saved in its state dict.
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ class Restarts(torch.optim.Optimizer):
         hooks: zero-arg callables run at each restart before refactorization and reset (e.g.
             `lambda: relora_merge_(model)`).
         reset_keys: state keys reset by the momentum reset (default: step and Adam's moments).
+        start: updates before the first period begins: restarts fire right after update
+            start + k every (k >= 1), none earlier (ReLoRA's full-rank warm start of `start` steps).
 
     Attributes:
         optimizer: the wrapped optimizer.
@@ -119,11 +122,14 @@ class Restarts(torch.optim.Optimizer):
         reset_momentum: bool = True,
         hooks: Iterable[Callable[[], Any]] = (),
         reset_keys: Sequence[str] = RESET_KEYS,
+        start: int = 0,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"Restarts wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"Restarts: every must be an int >= 1, got {every!r}")
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+            raise ValueError(f"Restarts: start must be an int >= 0, got {start!r}")
         # No super().__init__: it would build new param groups; everything is shared with `optimizer`.
         self.optimizer = optimizer
         self._factor_pairs = factor_pairs if callable(factor_pairs) else list(factor_pairs)
@@ -132,6 +138,7 @@ class Restarts(torch.optim.Optimizer):
         self.reset_momentum = reset_momentum
         self.hooks = list(hooks)
         self.reset_keys = tuple(reset_keys)
+        self.start = start
         self.num_steps = 0
         self.num_restarts = 0
         # What Optimizer.__init__ would set up, so register_*_hook and profiling work on the wrapper.
@@ -208,12 +215,13 @@ class Restarts(torch.optim.Optimizer):
         return bool(grads) and all(not bool(torch.any(gr != 0)) for gr in grads)
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Inner step, then a restart if this was update number k * every (k >= 1)."""
+        """Inner step, then a restart if this was update number start + k * every (k >= 1)."""
         dummy = closure is None and self._is_state_init_dummy()
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         if not dummy and self._inner_updated():
             self.num_steps += 1
-            if self.num_steps % self.every == 0:
+            since = self.num_steps - self.start
+            if since > 0 and since % self.every == 0:
                 self.restart()
         return loss
 

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from optimizers.momentum_reset import prune_, reset_
+from optimizers.momentum_reset import prune_, reset_, unwrap_optimizer
 
 __all__ = [
     "FACTOR_KINDS",
@@ -51,12 +51,17 @@ __all__ = [
     "SLTrainLinear",
     "TARGETS",
     "apply_factorization",
+    "begin_warm_start_",
+    "end_warm_start_",
     "factor_pairs",
     "factor_spec",
     "factorized_param_counts",
     "merge_factorized_",
     "relora_merge_",
     "sparse_nnz",
+    "warm_start_layers",
+    "warm_start_params",
+    "warming_up",
 ]
 
 logger = logging.getLogger("effpretrain")
@@ -210,6 +215,11 @@ class ReLoRALinear(LoRALinear):
     B = 0 again, so the layer's function is unchanged by the merge and the next N steps learn a new
     rank-r update on top: the sum of updates can reach full rank. The optimizer state of B and A
     must then be reset or pruned (see `relora_merge_`), always after the merge.
+
+    Full-rank warm start (ReLoRA's authors train the model full rank before the first LoRA cycle;
+    `factor.warm_start_steps`): `begin_warm_start_` makes W0 trainable and freezes B (= 0) and A, so
+    the layer is a plain Linear y = W0 x + b being trained; `end_warm_start_` switches back. Only
+    `requires_grad` changes: the parameters, and so the state_dict keys, are the same in both phases.
     """
 
     @torch.no_grad()
@@ -310,6 +320,8 @@ class FactorSpec:
         merges_at_restart: restarts merge B A into W0 and re-initialise the factors, resetting only
             their state, with the jagged LR (ReLoRA); this replaces refactorization and reset.
         materializes_dense: the forward forms the dense m x n weight (SLTrain as implemented).
+        warm_starts: may train its frozen W0 full rank, factors frozen, for the first
+            `factor.warm_start_steps` steps (ReLoRA's warm start); needs `frozen_dense`.
     """
 
     name: str
@@ -319,6 +331,11 @@ class FactorSpec:
     refactorizable: bool = True
     merges_at_restart: bool = False
     materializes_dense: bool = False
+    warm_starts: bool = False
+
+    def __post_init__(self) -> None:
+        if self.warm_starts and not self.frozen_dense:
+            raise ValueError(f"factor kind {self.name!r}: warm_starts needs frozen_dense (a W0 to train)")
 
     def param_counts(
         self, m: int, n: int, rank: int, density: float = 0.03, bias: bool = False
@@ -355,6 +372,7 @@ FACTOR_KINDS: dict[str, FactorSpec] = {
             frozen_dense=True,
             refactorizable=False,
             merges_at_restart=True,
+            warm_starts=True,
         ),
         FactorSpec(
             "sltrain",
@@ -555,4 +573,59 @@ def relora_merge_(
             reset_(optimizer, params=params)
         else:
             prune_(optimizer, prune_ratio, params=params)
+    return len(layers)
+
+
+# ----------------------------------------------------------------------------------------------
+# Full-rank warm start (ReLoRA): W0 trains first, then the factors; only requires_grad changes.
+
+
+def warm_start_layers(model: nn.Module) -> list[FactorizedLinear]:
+    """The factorized layers of `model` whose kind warm-starts (`FactorSpec.warm_starts`)."""
+    kinds = tuple(spec.layer for spec in FACTOR_KINDS.values() if spec.warm_starts)
+    return [layer for _, layer in factorized_layers(model) if isinstance(layer, kinds)]
+
+
+def warm_start_params(model: nn.Module) -> list[nn.Parameter]:
+    """W0 of every warm-starting layer: what the warm start trains (one plain param group)."""
+    return [layer.weight for layer in warm_start_layers(model)]
+
+
+def warming_up(model: nn.Module) -> bool:
+    """Whether `model` is in the full-rank warm-start phase (its W0 are trainable)."""
+    return any(w.requires_grad for w in warm_start_params(model))
+
+
+def begin_warm_start_(model: nn.Module) -> int:
+    """Enters the warm-start phase: every warm-starting layer's W0 trainable, its B and A frozen.
+
+    Call it on a freshly factorized model (or one restored before its switch), where B = 0: the
+    factor branch then adds exactly nothing, y = W0 x + b, and W0 trains as the dense model's
+    weight would. Returns the number of layers.
+    """
+    layers = warm_start_layers(model)
+    for layer in layers:
+        layer.weight.requires_grad_(True)
+        for p in layer.factor_pair():
+            p.requires_grad_(False)
+    return len(layers)
+
+
+@torch.no_grad()
+def end_warm_start_(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """The switch out of the warm start: W0 frozen again, B and A trainable.
+
+    W0's gradient and its optimizer state are deleted, so its m and v memory is freed. B and A were
+    frozen, so they never had a gradient and no optimizer made state for them: they start from
+    fresh state (their state is not touched here, which also keeps a resumed run's restored state
+    when this is applied on resuming past the switch). Returns the number of layers.
+    """
+    layers = warm_start_layers(model)
+    state = unwrap_optimizer(optimizer).state if optimizer is not None else {}
+    for layer in layers:
+        layer.weight.requires_grad_(False)
+        layer.weight.grad = None
+        state.pop(layer.weight, None)
+        for p in layer.factor_pair():
+            p.requires_grad_(True)
     return len(layers)
