@@ -84,7 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     x = sub.add_parser("export", help="merge factorized layers and write a HuggingFace model folder")
     x.add_argument("run", help="run directory (newest complete checkpoint) or a checkpoint folder")
     x.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
-    v = sub.add_parser("eval", help="validation loss/perplexity of a checkpoint")
+    v = sub.add_parser(
+        "eval", help="validation loss/perplexity of a checkpoint (one process or torchrun; same result)"
+    )
     v.add_argument("checkpoint", help="checkpoint folder or run directory")
     _add_overrides(v)
     return p
@@ -185,34 +187,11 @@ def cmd_estimate(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from effpretrain.checkpoint import load_checkpoint, resolve_checkpoint
-    from effpretrain.config import apply_overrides, from_dict, validate
-    from effpretrain.trainer import Trainer
+    from effpretrain.trainer import evaluate_checkpoint
 
-    path = resolve_checkpoint(args.checkpoint, "eval")
-    state = load_checkpoint(path)
-    cfg = validate(
-        apply_overrides(from_dict(state["trainer"]["config"], str(path)), args.overrides), str(path)
-    )
-    if state["sharded"]:
-        # An FSDP2 run's checkpoint: evaluate its whole model in this (single) process, with a
-        # fresh trainer (an empty scratch folder: nothing of the run is touched).
-        import tempfile
-
-        from effpretrain.checkpoint import load_model_weights, read_model_state
-
-        weights = read_model_state(path, state)
-        with tempfile.TemporaryDirectory() as scratch:
-            trainer = Trainer(cfg, Path(scratch))
-            load_model_weights(trainer.acc.unwrap_model(trainer.model), weights, path)
-            trainer.progress.step = int(state["trainer"]["step"])
-            loss, ppl = trainer.evaluate()
-    else:
-        trainer = Trainer(cfg, path.parent.parent, resume=str(path), allow_config_change=True)
-        loss, ppl = trainer.evaluate()
-    print(
-        json.dumps({"checkpoint": str(path), "step": trainer.progress.step, "val_loss": loss, "val_ppl": ppl})
-    )
+    result = evaluate_checkpoint(args.checkpoint, args.overrides)
+    if os.environ.get("RANK", "0") == "0":  # one line however many processes evaluated
+        print(json.dumps(result))
     return 0
 
 

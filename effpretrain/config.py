@@ -272,8 +272,10 @@ class TrainConfig:
     eval_every: NonNegativeInt = 50
     """Steps between evaluations (exact token-weighted validation loss and perplexity); 0: only at
     the end."""
-    eval_batches: PositiveInt = 8
-    """Batches of the fixed held-out set per evaluation."""
+    eval_tokens: PositiveInt = 16384
+    """Validation set size in target tokens: the held-out sequences in their fixed order, up to and
+    including the one at which the count reaches this number; the same set for any number of
+    processes (README: Evaluation). Paper recipes: 10000000, the benchmark's."""
     save_every: NonNegativeInt = 0
     """Steps between checkpoints; 0: only the final checkpoint."""
     keep_checkpoints: PositiveInt = 2
@@ -508,6 +510,14 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
     return _scalar(value, tp, key, source)
 
 
+#: Keys that were removed, and what replaces them: a recipe still carrying one gets this one line
+#: instead of a bare "unknown key" (never a silent translation: the meaning changed).
+REPLACED_KEYS = {
+    "train.eval_batches": "train.eval_tokens (validation target tokens, the same set for any number "
+    "of processes; e.g. eval_tokens: 16384 for a tiny run, 10000000 as the benchmark)",
+}
+
+
 def _fill(obj: Any, data: Any, prefix: str, source: str) -> None:
     if not isinstance(data, dict):
         where = prefix.rstrip(".") or "top level"
@@ -516,6 +526,8 @@ def _fill(obj: Any, data: Any, prefix: str, source: str) -> None:
     hints = typing.get_type_hints(type(obj), include_extras=True)
     for key, value in data.items():
         dotted = f"{prefix}{key}"
+        if dotted in REPLACED_KEYS:
+            raise ConfigError(f"{source}: {dotted} was replaced by {REPLACED_KEYS[dotted]}")
         if key not in fields:
             raise ConfigError(f"{source}: unknown key {dotted!r} (known: {', '.join(fields)})")
         current = getattr(obj, key)

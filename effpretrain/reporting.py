@@ -23,6 +23,7 @@ import torch
 import optimizers
 from effpretrain import memory
 from effpretrain.config import RunConfig, config_hash, dump_yaml, to_dict
+from effpretrain.evaluation import EvalResult
 from effpretrain.models.factorized import warming_up
 from effpretrain.optim_setup import opt_telemetry
 from optimizers._sharded import local as _local
@@ -167,7 +168,7 @@ def build_summary(
     opt: torch.optim.Optimizer,
     *,
     progress: Any,
-    val: tuple[float, float],
+    val: EvalResult,
     clock: RunClock,
     grad_bytes: int,
     vocab_size: int,
@@ -178,7 +179,8 @@ def build_summary(
     Args:
         model: the (possibly wrapped) trained model; opt: the optimizer below Accelerate's wrapper.
         progress: the run's step, tokens and skipped steps.
-        val: final (val_loss, val_ppl).
+        val: the final evaluation: its exact loss and perplexity (the headline), the target tokens
+            and rows it covered, and the benchmark-convention perplexity (labelled as such).
         grad_bytes: measured gradient bytes per rank.
         sharding: "none", "ddp" or "fsdp2" as run.
     """
@@ -201,8 +203,12 @@ def build_summary(
         "steps": progress.step,
         "tokens": progress.tokens,
         "skipped_steps": progress.skipped,
-        "final_val_loss": val[0],
-        "final_val_ppl": val[1],
+        "final_val_loss": val.loss,
+        "final_val_ppl": val.ppl,
+        "final_val_ppl_benchmark_convention": val.ppl_benchmark_convention,
+        "val_tokens": val.tokens,
+        "val_sequences": val.sequences,
+        "val_batches": val.batches,
         "tokens_per_s": clock.tokens_per_s(progress.tokens),
         "wall_s": time.time() - clock.start_wall,
         "peak_memory_bytes": memory.peak_memory_bytes(acc.device),

@@ -25,9 +25,10 @@ import torch
 import optimizers
 from effpretrain import checkpoint as ckpt
 from effpretrain import data as data_mod
-from effpretrain import fsdp, memory
-from effpretrain.config import RunConfig, dump_yaml, to_dict
+from effpretrain import evaluation, fsdp, memory
+from effpretrain.config import RunConfig, apply_overrides, dump_yaml, from_dict, to_dict, validate
 from effpretrain.errors import ConfigError
+from effpretrain.evaluation import EvalResult
 from effpretrain.launch import check_launch, make_accelerator
 from effpretrain.loss import token_loss_sum
 from effpretrain.models import set_activation_checkpointing
@@ -38,7 +39,7 @@ from effpretrain.run_model import build_run_model
 from effpretrain.signals import StopSignals
 from optimizers._sharded import local as _local
 
-__all__ = ["NonFiniteError", "Progress", "Trainer", "check_launch", "train"]
+__all__ = ["NonFiniteError", "Progress", "Trainer", "check_launch", "evaluate_checkpoint", "train"]
 
 log = logging.getLogger("effpretrain")
 
@@ -117,8 +118,10 @@ class Trainer:
         self.batches = data_mod.Batches(
             self.stream, t.batch_size, t.grad_accum, self.rank, self.world, vocab_size=self.tok.vocab_size
         )
-        n_val = t.eval_batches * t.batch_size * self.world
-        self.val = data_mod.validation_rows(self.corpus, self.tok, cfg.data.seq_len, cfg.data.mode, n_val)
+        # Read once: every evaluation runs on these rows, the same for any number of processes.
+        self.val = data_mod.validation_set(
+            self.corpus, self.tok, cfg.data.seq_len, cfg.data.mode, t.eval_tokens
+        )
 
     def _build_model(self) -> torch.nn.Module:
         t = self.cfg.train
@@ -292,16 +295,14 @@ class Trainer:
             }
         )
 
-    def _maybe_evaluate(self, report: RunReport) -> tuple[float, float] | None:
+    def _maybe_evaluate(self, report: RunReport) -> EvalResult | None:
         """Evaluates every `train.eval_every` steps and at the last one; None when it did not."""
         p, t = self.progress, self.cfg.train
         if not t.eval_every or (p.step % t.eval_every and p.step != t.max_steps):
             return None
         val = self.evaluate()
-        report.write(
-            {"event": "eval", "step": p.step, "tokens": p.tokens, "val_loss": val[0], "val_ppl": val[1]}
-        )
-        report.note(f"step {p.step}: val_loss {val[0]:.4f}  val_ppl {val[1]:.2f}")
+        report.write({"event": "eval", "step": p.step, "tokens": p.tokens, **val.record()})
+        report.note(f"step {p.step}: val_loss {val.loss:.4f}  val_ppl {val.ppl:.2f}")
         return val
 
     def _maybe_save(self) -> None:
@@ -317,9 +318,7 @@ class Trainer:
         log.info("stopped by signal %s at step %d; resume with --resume auto", signum, self.progress.step)
         return {"stopped_by_signal": signum, "step": self.progress.step}
 
-    def _finish(
-        self, report: RunReport, clock: RunClock, last_val: tuple[float, float] | None
-    ) -> dict[str, Any]:
+    def _finish(self, report: RunReport, clock: RunClock, last_val: EvalResult | None) -> dict[str, Any]:
         """Final evaluation (unless the last step had one), final checkpoint, summary."""
         p, t = self.progress, self.cfg.train
         if last_val is None or (t.eval_every and p.step % t.eval_every and p.step):
@@ -379,22 +378,28 @@ class Trainer:
         # Per rank: a sharded parameter's gradient is its local shard.
         return sum(_local(q).numel() * q.element_size() for q in self.model.parameters() if q.requires_grad)
 
-    @torch.no_grad()
-    def evaluate(self) -> tuple[float, float]:
-        """Exact token-weighted validation loss over the fixed held-out rows, and exp of it."""
-        self.model.eval()
-        B, dev = self.cfg.train.batch_size, self.acc.device
-        n = self.val["input_ids"].size(0)
-        total = torch.zeros(2, dtype=torch.float64, device=dev)
-        for lo in range(self.rank * B, n, B * self.world):
-            batch = {k: v[lo : lo + B].to(dev) for k, v in self.val.items()}
-            with self.acc.autocast():
-                s, c = token_loss_sum(self.model, batch)
-            total += torch.stack([s.detach().double(), c.double()])
-        total = self.acc.reduce(total, reduction="sum")
-        self.model.train()
-        loss = (total[0] / total[1]).item()
-        return loss, math.exp(min(loss, 50.0))
+    def evaluate(self) -> EvalResult:
+        """Exact token-weighted validation loss over the fixed validation set (`train.eval_tokens`
+        target tokens), its perplexity and the benchmark-convention one (`effpretrain.evaluation`),
+        with batches of `train.batch_size` rows split across the processes."""
+        # DDP: the bare module (no per-forward buffer broadcast, so ranks may run unequal batch
+        # counts); FSDP2's forward gathers shards collectively, so its ranks run in lockstep.
+        model = self.model if self.fsdp else self.acc.unwrap_model(self.model)
+        model.eval()
+        try:
+            return evaluation.evaluate(
+                model,
+                self.val,
+                self.cfg.train.batch_size,
+                rank=self.rank,
+                world=self.world,
+                device=self.acc.device,
+                autocast=self.acc.autocast,
+                all_reduce_sum=lambda t: self.acc.reduce(t, reduction="sum"),
+                lockstep=self.fsdp,
+            )
+        finally:
+            self.model.train()
 
     # -- checkpoints --------------------------------------------------------------------------
     def _trainer_state(self) -> dict[str, Any]:
@@ -545,3 +550,43 @@ def train(
     """
     with StopSignals() as stop:
         return Trainer(cfg, Path(out_dir), resume, allow_config_change).fit(stop)
+
+
+def evaluate_checkpoint(checkpoint: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
+    """Evaluates a checkpoint's model on the validation set of its own config (`effpretrain eval`).
+
+    Any number of processes (one, or a DDP launch such as ``torchrun --nproc_per_node N``), for a
+    checkpoint written by any number of processes: every process reads the whole weights (FSDP2's
+    sharded ones too) into a fresh model, so evaluation needs no sharding (``dist.sharding`` is
+    ddp here). The validation set is `train.eval_tokens` target tokens (the config's, or
+    ``--set train.eval_tokens=N``), the same rows and batches whatever the process count, so the
+    result is the same up to the order of an fp64 sum. Nothing in the run folder is written.
+
+    Returns:
+        checkpoint, step, world_size, and the eval record: val_loss, val_ppl (exact), val_tokens,
+        val_ppl_benchmark_convention; val_sequences and val_batches.
+    """
+    import tempfile
+
+    path = ckpt.resolve_checkpoint(checkpoint, "eval")
+    state = ckpt.load_checkpoint(path)
+    saved = dict(state["trainer"]["config"])
+    # The evaluation's size is this command's setting, not part of the trained model: a
+    # checkpoint written before train.eval_tokens existed still records train.eval_batches.
+    if isinstance(saved.get("train"), dict):
+        saved["train"] = {k: v for k, v in saved["train"].items() if k != "eval_batches"}
+    cfg = validate(apply_overrides(from_dict(saved, str(path)), overrides or []), str(path))
+    cfg.dist.sharding = "ddp"
+    weights = ckpt.read_model_state(path, state)
+    with tempfile.TemporaryDirectory() as scratch:  # a fresh trainer: the run folder is not touched
+        trainer = Trainer(cfg, Path(scratch))
+        ckpt.load_model_weights(trainer.acc.unwrap_model(trainer.model), weights, path)
+        result = trainer.evaluate()
+    return {
+        "checkpoint": str(path),
+        "step": int(state["trainer"]["step"]),
+        "world_size": trainer.world,
+        **result.record(),
+        "val_sequences": result.sequences,
+        "val_batches": result.batches,
+    }

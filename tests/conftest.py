@@ -27,7 +27,7 @@ TINY_OVERRIDES = [
     "data.seq_len=32",
     "data.vocab_size=512",
     "train.batch_size=4",
-    "train.eval_batches=2",
+    "train.eval_tokens=256",
     "train.log_every=5",
     "train.plot=false",
 ]

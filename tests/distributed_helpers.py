@@ -15,7 +15,7 @@ import torch
 COMMON = [
     "data.seq_len=32",
     "data.vocab_size=512",
-    "train.eval_batches=2",
+    "train.eval_tokens=256",
     "train.max_steps=20",
     "train.eval_every=20",
     "train.plot=false",

@@ -56,7 +56,7 @@ def test_every_issue_key_exists():
         "train.warmup_ratio",
         "train.min_lr_ratio",
         "train.eval_every",
-        "train.eval_batches",
+        "train.eval_tokens",
         "train.save_every",
         "train.seed",
         "train.precision",
@@ -260,3 +260,21 @@ def _config_keys():
         yield from (
             f.name for f in dataclasses.fields(cls) if not dataclasses.is_dataclass(getattr(cls(), f.name))
         )
+
+
+def test_eval_batches_is_refused_naming_its_replacement(tmp_path, capsys):
+    """train.eval_batches (rows per process: a different set on every process count) was replaced
+    by train.eval_tokens; a recipe or override still carrying it gets one line naming the
+    replacement and exit code 2, never a silent translation."""
+    from effpretrain.cli import main
+
+    p = write(tmp_path, "train:\n  eval_batches: 40\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert str(e.value).startswith(f"{p}: train.eval_batches was replaced by train.eval_tokens")
+    with pytest.raises(ConfigError, match="train.eval_batches was replaced by train.eval_tokens"):
+        load_config(None, ["train.eval_batches=4"])
+    assert main(["train", str(p), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "train.eval_batches was replaced by train.eval_tokens" in err
+    assert not (tmp_path / "run").exists()

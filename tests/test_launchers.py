@@ -53,7 +53,7 @@ LAUNCHES = {
     "torchrun-fsdp2": lambda out: _train(
         [*TORCHRUN, "--master_port", str(free_port())], out, [*PER_PROCESS, "dist.sharding=fsdp2"]
     ),
-    # The reference: one process at the global batch 2 x 2 (the same 8 validation rows).
+    # The reference: one process at the global batch 2 x 2 (the same validation rows: train.eval_tokens).
     "one-process": lambda out: _train([sys.executable], out, ["train.batch_size=4"]),
 }
 

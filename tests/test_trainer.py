@@ -45,6 +45,8 @@ def test_tiny_recipe_trains_and_memory_matches(recipe, tmp_path, tiny_overrides)
         "tokens",
         "final_val_loss",
         "final_val_ppl",
+        "final_val_ppl_benchmark_convention",
+        "val_tokens",
         "tokens_per_s",
         "wall_s",
         "peak_memory_bytes",
@@ -61,7 +63,12 @@ def test_tiny_recipe_trains_and_memory_matches(recipe, tmp_path, tiny_overrides)
     ]:
         assert key in on_disk, key
     events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in events if e.get("event") == "eval"] == [3, 6]
+    evals = [e for e in events if e.get("event") == "eval"]
+    assert [e["step"] for e in evals] == [3, 6]
+    # train.eval_tokens=256 at seq_len 32: 9 rows of 31 targets (the 9th reaches 256).
+    assert all(e["val_tokens"] == 279 == on_disk["val_tokens"] for e in evals)
+    assert evals[-1]["val_ppl"] == on_disk["final_val_ppl"]
+    assert on_disk["final_val_ppl_benchmark_convention"] < on_disk["final_val_ppl"]
     logs = [e for e in events if "event" not in e]
     assert logs and all(
         k in logs[0] for k in ("loss", "lr", "grad_norm", "tokens_per_s", "peak_memory_bytes")
