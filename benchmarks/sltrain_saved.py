@@ -158,8 +158,8 @@ def _mb(b: int) -> str:
 
 def print_table(rows: list[dict], models: list[dict]) -> None:
     print(
-        f"{'size':>5} {'shape':>9} {'in':>5} {'out':>5} {'r':>4} {'dtype':>9} | MB: {'dense':>9} {'layer':>9} "
-        f"{'x':>9} | minus x: {'dense':>9} {'layer':>9}"
+        f"{'size':>5} {'shape':>9} {'in':>5} {'out':>5} {'r':>4} {'dtype':>9} | "
+        f"MB: {'dense':>9} {'layer':>9} {'x':>9} | minus x: {'dense':>9} {'layer':>9}"
     )
     for r in rows:
         print(
@@ -169,8 +169,8 @@ def print_table(rows: list[dict], models: list[dict]) -> None:
         )
     for mo in models:
         print(
-            f"llama_{mo['size']} {mo['dtype']}: the layer saves {mo['saved_less_bytes'] / 1e9:.3f} GB less per "
-            f"forward than the dense graph ({mo['blocks']} blocks)"
+            f"llama_{mo['size']} {mo['dtype']}: the layer saves {mo['saved_less_bytes'] / 1e9:.3f} GB "
+            f"less per forward than the dense graph ({mo['blocks']} blocks)"
         )
 
 
