@@ -20,6 +20,7 @@ import itertools
 import math
 import os
 import string
+import types
 import typing
 from collections.abc import Callable
 from pathlib import Path
@@ -94,6 +95,10 @@ def _not_in(choices: Callable[[], typing.Iterable[str]]) -> st.SearchStrategy:
 
 def bad_values(tp: Any) -> st.SearchStrategy:
     """Values no field of type `tp` accepts: another type, or outside its choices or range."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):  # optional: null is a valid value
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        assert len(inner) == 1 and len(typing.get_args(tp)) == 2, tp
+        return bad_values(inner[0]).filter(lambda v: v is not None)
     base, meta = _split(tp)
     origin = typing.get_origin(base)
     if origin is Literal:

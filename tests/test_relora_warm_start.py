@@ -309,7 +309,7 @@ WORKER = textwrap.dedent(
 
     if mode == "one":
         # The same global batch of 4 rows as 2 micro-batches of 2 (one per rank in the DDP run).
-        run("1p", ["train.batch_size=2", "train.grad_accum=2", "train.eval_tokens=256"])
+        run("1p", ["train.batch_size=2", "train.grad_accum=2"])
         sys.exit(0)
     t = run("2p", ["train.batch_size=2", "train.save_every=4", "train.keep_checkpoints=5"])
     assert isinstance(t.model, torch.nn.parallel.DistributedDataParallel)
