@@ -144,8 +144,14 @@ def _estimate_row(row: dict[str, Any], path: Path, published: Published | None) 
     try:
         cfg = load_config(path)
         row["rank"] = _rank(cfg)
-        held = estimate_from_config(cfg, PRESETS[cfg.model.preset].vocab).weights_plus_optimizer
+        est = estimate_from_config(cfg, PRESETS[cfg.model.preset].vocab)
+        held = est.weights_plus_optimizer
         extra = basis_bytes(cfg) if published is not None and published.official_keeps_basis else 0
+        if len(est.detail.get("phases", {})) > 1:  # a warm start: the peak phase is shown
+            after = {k: v for k, v in est.detail["phases"].items() if k != est.detail["phase"]}
+            row["phase_note"] = f"{est.detail['phase']} phase (the peak); " + ", ".join(
+                f"{k}: {(p['weights'] + p['optimizer_state']) / 1e9:.3f}" for k, p in after.items()
+            )
     except ConfigError as e:
         row["error"] = str(e).replace(str(path), row["recipe"])
         return
@@ -202,7 +208,7 @@ def _note(row: dict[str, Any]) -> str:
     extra = (row.get("counted_bytes") or 0) - (row.get("held_bytes") or 0)
     if extra:
         return f"official code keeps P (+{_decimal(extra)}); effpretrain regenerates it from a seed"
-    return ""
+    return row.get("phase_note", "")
 
 
 def _decimal(n: int) -> str:

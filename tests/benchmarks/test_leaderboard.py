@@ -294,6 +294,15 @@ def test_paper_apollo_is_compared_with_the_official_projection_counted():
     assert "| galore | llama_60m | 128 | 0.280 | 0.28 | +0.000 | 0.280 | [1] |  |" in text
 
 
+def test_paper_relora_row_is_its_warm_start_peak_and_names_the_later_phase():
+    # The paper ReLoRA recipes warm up full rank (W0 trainable with Adam state) before the factors
+    # train: the row is that peak, and the note gives the factorized phase's smaller figure.
+    (row,) = [r for r in paper.paper_memory_table(["relora"]) if r["model"] == "llama_1b"]
+    note = row["phase_note"]
+    assert note.startswith("warm_start phase (the peak); factorized: ")
+    assert float(note.rsplit(": ", 1)[1]) < row["held_gb"]
+
+
 def _toy_recipes(root: Path, method: str, presets=paper.PAPER_PRESETS) -> None:
     for preset in presets:
         (root / preset).mkdir(exist_ok=True)
