@@ -36,7 +36,6 @@ import datetime as dt
 import json
 import math
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -394,17 +393,11 @@ def _stale_note(spec: RunSpec, run_dir: Path) -> str:
 
 
 def cpu_description() -> str:
-    """CPU model name and logical core count, without touching any accelerator."""
-    name = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    name = name or platform.processor() or platform.machine()
-    return f"{name}, {os.cpu_count()} cores"
+    """CPU model name and core count (`effpretrain.reporting.cpu_description`, imported late: this
+    script keeps the toolkit out of its start-up)."""
+    from effpretrain.reporting import cpu_description as describe
+
+    return describe()
 
 
 def _vocab_size(summary: dict[str, Any], cfg: Any) -> int:

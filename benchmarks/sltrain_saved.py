@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
-import platform
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -42,7 +40,7 @@ from torch import Tensor
 from effpretrain.config import load_config
 from effpretrain.models.factorized import SLTrainLinear
 from effpretrain.models.llama import PRESETS
-from effpretrain.reporting import git_commit
+from effpretrain.reporting import cpu_description, git_commit
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = ("60m", "130m", "350m", "1b")
@@ -137,19 +135,6 @@ def run(tokens: int, dtypes: list[str]) -> tuple[list[dict], list[dict]]:
                 {"size": size, "dtype": dtype_name, "blocks": layers, "saved_less_bytes": total * layers}
             )
     return rows, models
-
-
-def cpu_description() -> str:
-    """CPU model name and logical core count (as benchmarks/leaderboard.py records it)."""
-    name = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{name or platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 
 def _mb(b: int) -> str:

@@ -247,6 +247,23 @@ def git_commit() -> str:
         return "unknown"
 
 
+def cpu_description() -> str:
+    """CPU model name and logical core count, without touching any accelerator (benchmark
+    results record it beside the commit)."""
+    import platform
+
+    name = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    name = name or platform.processor() or platform.machine()
+    return f"{name}, {os.cpu_count()} cores"
+
+
 def device_name(device: torch.device) -> str:
     """The GPU's name, or the CPU's with its core count."""
     if device.type == "cuda":
