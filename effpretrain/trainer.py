@@ -254,6 +254,8 @@ class Trainer:
         if not n or self.progress.step < n or not warming_up(model):
             return
         end_warm_start_(model, self.inner_opt)
+        # Measured again in the factor phase, the one the summary describes (also after a resume).
+        self.grad_bytes = 0
         if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
             self._rewrap_ddp()
         log.info("step %d: warm start done, training the factors from here", self.progress.step)

@@ -245,8 +245,9 @@ def test_switch_frees_w0_state_and_gives_the_factors_fresh_state(straight):
 def test_estimate_reports_both_phases_and_the_warm_start_peak(straight):
     """The warm start trains W0 (m n gradient and AdamW state per target): the estimate's peak; the
     factorized phase is the run without a warm start. The measured optimizer state matches each
-    phase's estimate on the steps of that phase (logged after each step), the measured gradient
-    bytes (after the first step) the warm start's."""
+    phase's estimate on the steps of that phase (logged after each step); the summary's measured
+    gradient bytes are the phase the run ends in (measured again after the switch, so a run
+    resumed past it reports the same)."""
     run, summary = straight
     est = summary["estimated"]
     cfg = load_config(RECIPE, SAVED)
@@ -262,7 +263,7 @@ def test_estimate_reports_both_phases_and_the_warm_start_peak(straight):
     factors = sum(p.numel() for layer in warm_start_layers(model) for p in layer.factor_pair())
     assert warm["trainable_params"] == factorized.trainable_params - factors + w0
     assert warm["total"] > factorized.total and warm["weights"] == factorized.weights
-    assert summary["grad_bytes"] == warm["grads"]
+    assert summary["grad_bytes"] == factorized.grads < warm["grads"]
     assert summary["estimate_matches_measured"] == {"optimizer_state": True, "weights": True}
     logs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     state = {e["step"]: e["optimizer_state_bytes"] for e in logs if "lr" in e}
