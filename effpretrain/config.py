@@ -214,7 +214,8 @@ class OptimConfig:
     """Projected methods: names of the linear modules whose weights are projected."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Method-specific constructor keywords (e.g. `{gamma1: 0.85}`) and basis options
-    (`oversample`, `power_iters`, `seed`)."""
+    (`oversample`, `power_iters`, `seed`); a keyword that an `optim` key sets (lr, eps, rank, ...)
+    is refused here."""
 
 
 @dataclass
@@ -404,10 +405,31 @@ def _check(key: str, value: Any, tp: Any, source: str) -> None:
         raise ConfigError(f"{source}: {key}={_show(value)} must be a finite number")
 
 
+#: Constructor keywords that a typed `optim` key sets: in `optim.extra` they would silently win
+#: over that key (the recipe would say one value and the run use another).
+_EXTRA_SHADOWS = {
+    "lr": "optim.lr",
+    "betas": "optim.beta1 and optim.beta2",
+    "eps": "optim.eps",
+    "weight_decay": "optim.weight_decay",
+    "rank": "optim.rank",
+    "update_proj_gap": "optim.update_proj_gap",
+    "scale": "optim.scale",
+    "proj_type": "optim.proj_type",
+    "basis": "optim.basis",
+}
+
+
 def validate(cfg: RunConfig, source: str = "config") -> RunConfig:
     """Checks choices and ranges; raises ConfigError naming the key and `source`."""
     for key, value, tp, *_ in _leaves(cfg):
         _check(key, value, tp, source)
+    shadowed = sorted(set(cfg.optim.extra) & set(_EXTRA_SHADOWS))
+    if shadowed:
+        k = shadowed[0]
+        raise ConfigError(
+            f"{source}: optim.extra.{k} would override {_EXTRA_SHADOWS[k]}; set that key instead"
+        )
     if cfg.data.source == "files" and not cfg.data.path:
         raise ConfigError(f"{source}: data.path is required when data.source=files")
     if cfg.data.source == "files" and not Path(cfg.data.path).expanduser().exists():

@@ -115,8 +115,14 @@ def check_recipe(cfg: RunConfig, name: str, table: Mapping[str, Any]) -> list[st
     """Every disagreement between recipe `name` (loaded as `cfg`) and the table, one line each
     (empty: the recipe is what its sources say). A required key (`required_keys`) the table does
     not give is a disagreement too, so a new hyper-parameter cannot go unsourced."""
+    from effpretrain.config import validate
+
     preset = cfg.model.preset
     want = expected_values(table, name, preset)
+    try:  # e.g. an optim.extra key that would override the checked optim key
+        validate(cfg, f"{preset}/{name}")
+    except ConfigError as e:
+        return [str(e)]
     settings = optimizer_settings(cfg)
     problems = [
         f"{preset}/{name}: {key} has no entry in {SOURCES_FILE.name}"

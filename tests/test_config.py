@@ -278,3 +278,15 @@ def test_eval_batches_is_refused_naming_its_replacement(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "train.eval_batches was replaced by train.eval_tokens" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_optim_extra_cannot_override_a_typed_optim_key(tmp_path):
+    """A constructor keyword in optim.extra would win over the typed key (the recipe would say one
+    learning rate and the run train with another): refused, naming the key to set instead."""
+    p = write(tmp_path, "optim:\n  name: galore\n  lr: 0.01\n  extra: {lr: 0.5}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert str(e.value) == f"{p}: optim.extra.lr would override optim.lr; set that key instead"
+    with pytest.raises(ConfigError, match="optim.extra.betas would override optim.beta1 and optim.beta2"):
+        load_config(None, ["optim.extra={betas: [0.9, 0.95]}"])
+    assert load_config(None, ["optim.extra={gamma1: 0.7}"]).optim.extra == {"gamma1": 0.7}

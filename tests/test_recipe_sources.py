@@ -86,6 +86,17 @@ def test_a_changed_rank_names_the_key_the_value_and_the_source():
     ]
 
 
+@pytest.mark.parametrize("key", ["lr", "weight_decay", "scale", "eps", "rank"])
+def test_an_optim_extra_key_that_would_override_a_checked_value_is_refused(key):
+    # optim.extra reaches the constructor after the typed keys: {lr: 0.5} there would train at 0.5
+    # while optim.lr still reads 0.01.
+    cfg = load_config(RECIPES / "llama_60m" / "galore.yaml")
+    cfg.optim.extra = {key: 0.5}
+    assert check_recipe(cfg, "galore", TABLE) == [
+        f"llama_60m/galore: optim.extra.{key} would override optim.{key}; set that key instead"
+    ]
+
+
 def test_a_hyper_parameter_the_table_does_not_source_is_reported():
     table = copy.deepcopy(TABLE)
     del table["recipes"]["sltrain"]["all"]["factor.density"]
