@@ -41,8 +41,9 @@ def load_sources(path: str | Path = SOURCES_FILE) -> dict[str, Any]:
     override's) must name one of `sources`, or ConfigError."""
     table = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     known = set(table["sources"])
-    for name, blocks in table["recipes"].items():
-        for block, entries in {"common": table["common"], **blocks}.items():
+    groups = {"common": table["common"], **table["recipes"]}
+    for name, blocks in groups.items():
+        for block, entries in blocks.items():
             for key, entry in entries.items():
                 for e in [entry, *entry.get("overrides", [])]:
                     if e["source"] not in known:
@@ -51,22 +52,29 @@ def load_sources(path: str | Path = SOURCES_FILE) -> dict[str, Any]:
 
 
 def expected_values(table: Mapping[str, Any], name: str, preset: str) -> dict[str, dict[str, Any]]:
-    """key -> entry ({value, source, ...}) for recipe `name` at `preset`: `common`, then the
-    recipe's `all`, then its `preset` block (later wins)."""
+    """key -> entry ({value, source, ...}) for recipe `name` at `preset`: `common`'s `all` and
+    `preset` blocks, then the recipe's (later wins)."""
     if name not in table["recipes"]:
         raise ConfigError(f"recipes/{preset}/{name}.yaml has no entry in {SOURCES_FILE.name}")
-    blocks = table["recipes"][name]
-    return {**table["common"], **blocks.get("all", {}), **blocks.get(preset, {})}
+    out: dict[str, dict[str, Any]] = {}
+    for blocks in (table["common"], table["recipes"][name]):
+        out.update(blocks.get("all", {}))
+        out.update(blocks.get(preset, {}))
+    return out
 
 
 def optimizer_settings(cfg: RunConfig) -> dict[str, Any]:
     """What the run's optimizer is constructed with: its defaults (class signature, registry
-    defaults, the toolkit's keywords from the config) as the built optimizer reports them."""
+    defaults, the toolkit's keywords from the config) as the built optimizer reports them, with a
+    projected group's options (e.g. APOLLO's `scale_front`) for a projecting method."""
+    from effpretrain.memory import projection_group
     from effpretrain.optim_setup import optimizer_kwargs
 
-    probe = torch.nn.Parameter(torch.zeros(2, 2))
-    opt = optimizers.build_optimizer(cfg.optim.name, [{"params": [probe]}], **optimizer_kwargs(cfg))
-    return {**opt.defaults, **opt.param_groups[0]}
+    groups: list[dict[str, Any]] = [{"params": [torch.nn.Parameter(torch.zeros(2, 2))]}]
+    if optimizers.method_spec(cfg.optim.name).projects:  # as the trainer builds a projected group
+        groups.append({"params": [torch.nn.Parameter(torch.zeros(2, 2))], **projection_group(cfg.optim)})
+    opt = optimizers.build_optimizer(cfg.optim.name, groups, **optimizer_kwargs(cfg))
+    return {**opt.defaults, **opt.param_groups[0], **opt.param_groups[-1]}
 
 
 def resolved_value(cfg: RunConfig, key: str, settings: Mapping[str, Any] | None = None) -> Any:
@@ -86,8 +94,9 @@ def required_keys(cfg: RunConfig, settings: Mapping[str, Any]) -> set[str]:
     """The keys the table must give for this recipe: learning rate, eps and clipping always; rank,
     scale and refresh gap for a projecting optimizer; rank and alpha for a factorized model,
     density for a sparse one; the restart period and ramp when the run restarts; a reset period
-    the optimizer keeps itself (Stable-SPAM, SPAM); a warm start where the factor kind has one."""
-    keys = {"optim.lr", "optimizer.eps", "train.grad_clip", "optim.weight_decay"}
+    the optimizer keeps itself (Stable-SPAM, SPAM); APOLLO's `scale_front`; a warm start where the
+    factor kind has one."""
+    keys = {"optim.lr", "optimizer.eps", "train.grad_clip", "optim.weight_decay", "train.max_steps"}
     if optimizers.method_spec(cfg.optim.name).projects:
         keys |= {"optim.rank", "optim.scale", "optim.update_proj_gap"}
     kind = cfg.factor.kind
@@ -100,8 +109,7 @@ def required_keys(cfg: RunConfig, settings: Mapping[str, Any]) -> set[str]:
             keys.add("factor.warm_start_steps")
     if cfg.restarts.every or (kind != "none" and FACTOR_KINDS[kind].merges_at_restart):
         keys |= {"restarts.every", "restarts.recovery_steps"}
-    if "reset_interval" in settings:
-        keys.add("optimizer.reset_interval")
+    keys |= {f"{OPTIMIZER_PREFIX}{k}" for k in ("reset_interval", "scale_front") if k in settings}
     return keys
 
 
