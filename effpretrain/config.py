@@ -253,7 +253,7 @@ class DataConfig:
     buffer."""
     shuffle_buffer: NonNegativeInt = 4096
     """Rows in the shuffle buffer that training rows are drawn from at random, so that a batch
-    mixes documents (README: Data); 0: rows in document order, consecutive rows of one document."""
+    mixes documents (README: Training); 0: rows in document order, consecutive rows of one document."""
 
 
 @dataclass

@@ -365,7 +365,7 @@ class TokenStream:
 
     `state_dict()` is the exact position: the epoch, the document cursor, the pending tokens, and
     with a buffer its rows and the draw counter, P x (seq_len + 1) x 4 bytes (int32 token ids and
-    lengths): 264,192 bytes for the tiny default (P = 512, seq_len = 128).
+    lengths): 2,113,536 bytes at the defaults (P = 4096, seq_len = 128).
 
     `track_docs` (tests, debugging) records each row's document: `last_docs` holds, after every
     `next_rows`, the document of each row (in pack mode the one that supplies most of its
