@@ -124,13 +124,14 @@ def test_hub_source_streams_a_local_dataset_offline(tmp_path, builtin):
     assert corpus.streaming
     val = list(corpus.iter_val())
     assert len(val) == 20 and val[0].startswith("hub document number 9 ")
-    straight = data.TokenStream(corpus, tok, 16, "pack", 0, chunk=4)
-    ref = _take(straight, 6, 4)
-    first = data.TokenStream(corpus, tok, 16, "pack", 0, chunk=4)
-    head = _take(first, 2, 4)
-    resumed = data.TokenStream(corpus, tok, 16, "pack", 0, chunk=4)
-    resumed.load_state_dict(first.state_dict())
-    assert all(torch.equal(a, b) for a, b in zip(ref, head + _take(resumed, 4, 4)))
+    for buffer in (0, 8):  # in stream order, and through a shuffle buffer
+        straight = data.TokenStream(corpus, tok, 16, "pack", 0, chunk=4, shuffle_buffer=buffer)
+        ref = _take(straight, 6, 4)
+        first = data.TokenStream(corpus, tok, 16, "pack", 0, chunk=4, shuffle_buffer=buffer)
+        head = _take(first, 2, 4)
+        resumed = data.TokenStream(corpus, tok, 16, "pack", 0, chunk=4, shuffle_buffer=buffer)
+        resumed.load_state_dict(first.state_dict())
+        assert all(torch.equal(a, b) for a, b in zip(ref, head + _take(resumed, 4, 4)))
     with pytest.raises(ConfigError, match="builtin-bpe needs an in-memory corpus"):
         data.load_tokenizer(cfg, corpus)
 
