@@ -543,16 +543,24 @@ class TokenStream:
         g = torch.Generator().manual_seed(_draw_seed(self.seed, self.drawn))
         slots = torch.randint(P, (n,), generator=g).tolist()
         new_ids, new_lengths, new_docs = self._source_rows(n)
-        out_ids = torch.empty((n, self.seq_len), dtype=torch.long)
-        out_lengths = torch.empty(n, dtype=torch.long)
-        docs = []
-        # In order: a slot drawn twice in one call gives the source row that replaced the first.
+        # As if one row at a time: a slot drawn again in this call gives the source row that
+        # replaced it (its previous draw's), and each slot ends with its last draw's source row.
+        prev, last = [], {}
         for i, j in enumerate(slots):
-            out_ids[i], out_lengths[i] = self.pool_ids[j], self.pool_lengths[j]
-            self.pool_ids[j], self.pool_lengths[j] = new_ids[i], new_lengths[i]
-            if self.track_docs:
-                docs.append(self.pool_docs[j])
+            prev.append(last.get(j, -1))
+            last[j] = i
+        at, again = torch.tensor(slots), torch.tensor(prev)
+        out_ids, out_lengths = self.pool_ids[at].long(), self.pool_lengths[at].long()
+        dup = again >= 0
+        out_ids[dup], out_lengths[dup] = new_ids[again[dup]], new_lengths[again[dup]]
+        docs = []
+        if self.track_docs:
+            docs = [new_docs[p] if p >= 0 else self.pool_docs[j] for j, p in zip(slots, prev)]
+            for j, i in last.items():
                 self.pool_docs[j] = new_docs[i]
+        js, src = torch.tensor(list(last)), torch.tensor(list(last.values()))
+        self.pool_ids[js] = new_ids[src].to(torch.int32)
+        self.pool_lengths[js] = new_lengths[src].to(torch.int32)
         self.drawn += n
         return out_ids, out_lengths, docs
 

@@ -177,6 +177,20 @@ def test_shuffle_buffer_state_is_its_rows_and_a_counter(builtin):
     assert data.TokenStream(corpus, tok, 32, "pack", 0).state_dict()["pool_ids"].numel() == 0
 
 
+def test_shuffle_buffer_loses_and_repeats_no_row(builtin):
+    """A buffer smaller than a draw (slots drawn twice in one call) still emits every source row
+    once: the rows drawn plus the rows left in the buffer are the source rows, reordered."""
+    _, corpus, tok = builtin
+    shuffled = data.TokenStream(corpus, tok, 16, "pack", 0, shuffle_buffer=5)
+    drawn = torch.cat(_take(shuffled, 30, 8) + [shuffled.pool_ids.long()])
+    source = torch.cat(_take(data.TokenStream(corpus, tok, 16, "pack", 0), 1, 30 * 8 + 5))
+
+    def key(rows):
+        return sorted(map(tuple, rows.tolist()))
+
+    assert key(drawn) == key(source) and not torch.equal(drawn[:240], source[:240])
+
+
 def test_shuffle_buffer_is_seeded(builtin):
     _, corpus, tok = builtin
 
