@@ -249,7 +249,11 @@ class DataConfig:
     val_every: PositiveInt = 50
     """`builtin`, `files` (and `hub` without `data.val_split`): every Nth document is held out."""
     shuffle_seed: Seed = 0
-    """Seed of the batch order."""
+    """Seed of the document order (`builtin`, `files`) and of the row draws from the shuffle
+    buffer."""
+    shuffle_buffer: NonNegativeInt = 4096
+    """Rows in the shuffle buffer that training rows are drawn from at random, so that a batch
+    mixes documents (README: Training); 0: rows in document order, consecutive rows of one document."""
 
 
 @dataclass

@@ -10,8 +10,10 @@ Three sources behind one interface (`Corpus`: train documents, held-out document
   dataset folder. C4 (``allenai/c4``, ``en``) is the paper's.
 
 Batches are built from a deterministic token stream whose position (epoch, document cursor,
-pending tokens) is a small dict of ints and tensors saved in every checkpoint. A step draws
-``grad_accum x world_size x batch_size`` rows; micro-step k of rank r takes rows
+pending tokens, and the rows of its shuffle buffer) is a small dict of ints and tensors saved in
+every checkpoint. Rows are drawn at random from a seeded buffer of ``data.shuffle_buffer`` rows
+(`TokenStream`), so a batch mixes documents instead of taking consecutive rows of one. A step
+draws ``grad_accum x world_size x batch_size`` rows at once; micro-step k of rank r takes rows
 ``[(k W + r) B, (k W + r + 1) B)``, so 2 processes at batch B see exactly the rows that 1
 process sees at batch 2B.
 
@@ -27,6 +29,7 @@ import json
 import logging
 import os
 import sysconfig
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -348,11 +351,39 @@ class TokenStream:
 
     pack: documents joined with EOS and cut into rows (every slot a target).
     truncate: one document per row, cut at seq_len, right-padded; pad labels are ignored.
-    Order: a seeded permutation of the documents per epoch (in-memory corpora); stream order
-    for hub data. `state_dict()` is the exact position.
+    Documents come in a seeded permutation per epoch (in-memory corpora), in stream order for hub
+    data; the rows cut from them in that order are the *source rows*.
+
+    Row mixing. Consecutive source rows come from one document (in pack mode a standard-library
+    module spans tens of rows), so a batch of consecutive rows holds one to three documents. With
+    ``shuffle_buffer`` = P > 0, rows are drawn through a buffer of P source rows instead: the i-th
+    row drawn takes the row in slot j_i ~ Uniform{0, ..., P-1} and the next source row takes its
+    place. The slots of one call are ``randint(P, (n,))`` from a generator seeded with
+    (``seed``, rows drawn before the call), so the draw is a function of the saved state alone.
+    A row waits a Geometric(1/P) number of draws (mean P), so one batch of n << P rows mixes rows
+    whose sources lie about P rows apart. P = 0: the source order, no buffer.
+
+    `state_dict()` is the exact position: the epoch, the document cursor, the pending tokens, and
+    with a buffer its rows and the draw counter, P x (seq_len + 1) x 4 bytes (int32 token ids and
+    lengths): 2,113,536 bytes at the defaults (P = 4096, seq_len = 128).
+
+    `track_docs` (tests, debugging) records each row's document: `last_docs` holds, after every
+    `next_rows`, the document of each row (in pack mode the one that supplies most of its
+    tokens); the index in the corpus for in-memory sources, the stream index for hub data. It
+    costs one int per buffered token and is not saved: rows buffered before a resume read -1.
     """
 
-    def __init__(self, corpus, tok: Tokenizer, seq_len: int, mode: str, seed: int, chunk: int = 32):
+    def __init__(
+        self,
+        corpus,
+        tok: Tokenizer,
+        seq_len: int,
+        mode: str,
+        seed: int,
+        chunk: int = 32,
+        shuffle_buffer: int = 0,
+        track_docs: bool = False,
+    ):
         self.corpus, self.tok, self.seq_len, self.mode, self.seed, self.chunk = (
             corpus,
             tok,
@@ -361,22 +392,34 @@ class TokenStream:
             seed,
             chunk,
         )
-        self.epoch, self.cursor = 0, 0
+        self.shuffle_buffer, self.track_docs = shuffle_buffer, track_docs
+        self.epoch, self.cursor, self.drawn = 0, 0, 0
         self.pending: list[list[int]] = []  # truncate: tokenized docs not yet emitted
         self.buffer: list[int] = []  # pack: tokens not yet emitted
+        # The shuffle buffer's rows (int32 ids, right-padded) and lengths; None until first drawn from.
+        self.pool_ids: torch.Tensor | None = None
+        self.pool_lengths: torch.Tensor | None = None
+        self.pending_docs: list[int] = []  # track_docs: parallel to pending, buffer, the pool
+        self.buffer_docs: list[int] = []
+        self.pool_docs: list[int] = []
+        self.last_docs: torch.Tensor | None = None
         self._order: list[int] | None = None
-        self._hub_iter: Iterator[str] | None = None
+        self._hub_iter: Iterator[tuple[int, str]] | None = None
 
     # -- position ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         lengths = [len(p) for p in self.pending]
         flat = [t for p in self.pending for t in p]
+        empty = torch.zeros((0, self.seq_len), dtype=torch.int32)
         return {
             "epoch": self.epoch,
             "cursor": self.cursor,
             "buffer": torch.tensor(self.buffer, dtype=torch.int64),
             "pending": torch.tensor(flat, dtype=torch.int64),
             "pending_lengths": torch.tensor(lengths, dtype=torch.int64),
+            "drawn": self.drawn,
+            "pool_ids": empty if self.pool_ids is None else self.pool_ids.clone(),
+            "pool_lengths": empty[:, 0] if self.pool_lengths is None else self.pool_lengths.clone(),
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -388,21 +431,33 @@ class TokenStream:
             self.pending.append(flat[i : i + n])
             i += n
         self._order, self._hub_iter = None, None
+        # Checkpoints from before the shuffle buffer hold no pool: it fills from the stream position.
+        self.drawn = int(sd.get("drawn", 0))
+        pool = sd.get("pool_ids")
+        self.pool_ids = self.pool_lengths = None
+        if pool is not None and pool.numel():
+            if tuple(pool.shape) == (self.shuffle_buffer, self.seq_len):
+                self.pool_ids, self.pool_lengths = pool.to(torch.int32), sd["pool_lengths"].to(torch.int32)
+            else:  # only with --allow-config-change: the rows the old buffer held are not seen
+                log.warning("the checkpoint's shuffle buffer %s does not fit this run: refilled", pool.shape)
+        if self.track_docs:
+            self.buffer_docs, self.pending_docs = [-1] * len(self.buffer), [-1] * len(self.pending)
+            self.pool_docs = [-1] * self.shuffle_buffer if self.pool_ids is not None else []
 
-    def snapshot(self) -> tuple:
+    def snapshot(self) -> dict[str, Any]:
         """A cheap in-memory copy of the position (to undo a skipped step's draw)."""
-        return (self.epoch, self.cursor, list(self.buffer), [list(p) for p in self.pending], self._order)
+        snap = {k: getattr(self, k) for k in _STREAM_FIELDS}
+        snap.update(buffer=list(self.buffer), pending=[list(p) for p in self.pending])
+        for k in ("buffer_docs", "pending_docs", "pool_docs"):
+            snap[k] = list(snap[k])
+        for k in ("pool_ids", "pool_lengths"):
+            snap[k] = None if snap[k] is None else snap[k].clone()
+        return snap
 
-    def restore(self, snap: tuple) -> None:
-        epoch, cursor, buffer, pending, order = snap
-        hub_stale = self.corpus.streaming and (epoch, cursor) != (self.epoch, self.cursor)
-        self.epoch, self.cursor, self.buffer, self.pending, self._order = (
-            epoch,
-            cursor,
-            buffer,
-            pending,
-            order,
-        )
+    def restore(self, snap: dict[str, Any]) -> None:
+        hub_stale = self.corpus.streaming and (snap["epoch"], snap["cursor"]) != (self.epoch, self.cursor)
+        for k in _STREAM_FIELDS:
+            setattr(self, k, snap[k])
         if hub_stale:
             self._hub_iter = None
 
@@ -413,11 +468,11 @@ class TokenStream:
             self._order = torch.randperm(len(self.corpus.train), generator=g).tolist()
         return self._order
 
-    def _next_docs(self) -> list[str]:
-        """The next chunk of documents, advancing the cursor (wrapping epochs)."""
+    def _next_docs(self) -> list[tuple[int, str]]:
+        """The next chunk of (document index, text), advancing the cursor (wrapping epochs)."""
         if self.corpus.streaming:
             if self._hub_iter is None:
-                self._hub_iter = self.corpus.iter_train(self.cursor)
+                self._hub_iter = enumerate(self.corpus.iter_train(self.cursor), self.cursor)
             docs = []
             for _ in range(self.chunk):
                 try:
@@ -426,50 +481,123 @@ class TokenStream:
                     self.epoch, self.cursor, self._hub_iter = self.epoch + 1, 0, None
                     break
                 self.cursor += 1
-            return [d for d in docs if d]
+            return [(i, d) for i, d in docs if d]
         order = self._epoch_order()
         if self.cursor >= len(order):
             self.epoch, self.cursor, self._order = self.epoch + 1, 0, None
             order = self._epoch_order()
         idx = order[self.cursor : self.cursor + self.chunk]
         self.cursor += len(idx)
-        return [self.corpus.train[i] for i in idx]
+        return [(i, self.corpus.train[i]) for i in idx]
 
     def _refill(self) -> None:
         for _attempt in range(10_000):
             docs = self._next_docs()
             if docs:
-                ids = self.tok.encode_batch(docs)
-                if self.mode == "pack":
-                    for d in ids:
-                        self.buffer.extend(d)
+                encoded = self.tok.encode_batch([text for _, text in docs])
+                for (doc, _), ids in zip(docs, encoded):
+                    if self.mode == "pack":
+                        self.buffer.extend(ids)
                         self.buffer.append(self.tok.eos_id)
-                else:
-                    self.pending.extend(d for d in ids if d)
+                        if self.track_docs:
+                            self.buffer_docs.extend([doc] * (len(ids) + 1))
+                    elif ids:
+                        self.pending.append(ids)
+                        if self.track_docs:
+                            self.pending_docs.append(doc)
                 return
         raise ConfigError(f"{self.corpus.name}: the corpus yields no tokens")
 
     # -- rows ----------------------------------------------------------------------------------
-    def next_rows(self, n: int) -> dict[str, torch.Tensor]:
-        """`n` rows: input_ids, attention_mask, labels (IGNORE_INDEX on padding)."""
+    def _source_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """The next `n` source rows: ids (n, seq_len) right-padded, lengths (n,), documents."""
         L = self.seq_len
         if self.mode == "pack":
             while len(self.buffer) < n * L:
                 self._refill()
-            flat = torch.tensor(self.buffer[: n * L], dtype=torch.long).view(n, L)
+            ids = torch.tensor(self.buffer[: n * L], dtype=torch.long).view(n, L)
             del self.buffer[: n * L]
-            return {"input_ids": flat, "attention_mask": torch.ones_like(flat), "labels": flat.clone()}
+            docs = []
+            if self.track_docs:
+                docs = [_majority(self.buffer_docs[i * L : (i + 1) * L]) for i in range(n)]
+                del self.buffer_docs[: n * L]
+            return ids, torch.full((n,), L, dtype=torch.long), docs
         while len(self.pending) < n:
             self._refill()
         rows, self.pending = self.pending[:n], self.pending[n:]
+        docs, self.pending_docs = self.pending_docs[:n], self.pending_docs[n:]
         ids = torch.full((n, L), self.tok.pad_id, dtype=torch.long)
-        mask = torch.zeros((n, L), dtype=torch.long)
+        lengths = torch.zeros(n, dtype=torch.long)
         for i, r in enumerate(rows):
             r = (r + [self.tok.eos_id])[:L]
             ids[i, : len(r)] = torch.tensor(r)
-            mask[i, : len(r)] = 1
-        labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+            lengths[i] = len(r)
+        return ids, lengths, docs
+
+    def _draw(self, n: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """`n` rows through the shuffle buffer (class docstring), filling it on first use."""
+        P = self.shuffle_buffer
+        if self.pool_ids is None:
+            ids, lengths, self.pool_docs = self._source_rows(P)
+            self.pool_ids, self.pool_lengths = ids.to(torch.int32), lengths.to(torch.int32)
+        g = torch.Generator().manual_seed(_draw_seed(self.seed, self.drawn))
+        slots = torch.randint(P, (n,), generator=g).tolist()
+        new_ids, new_lengths, new_docs = self._source_rows(n)
+        # As if one row at a time: a slot drawn again in this call gives the source row that
+        # replaced it (its previous draw's), and each slot ends with its last draw's source row.
+        prev, last = [], {}
+        for i, j in enumerate(slots):
+            prev.append(last.get(j, -1))
+            last[j] = i
+        at, again = torch.tensor(slots), torch.tensor(prev)
+        out_ids, out_lengths = self.pool_ids[at].long(), self.pool_lengths[at].long()
+        dup = again >= 0
+        out_ids[dup], out_lengths[dup] = new_ids[again[dup]], new_lengths[again[dup]]
+        docs = []
+        if self.track_docs:
+            docs = [new_docs[p] if p >= 0 else self.pool_docs[j] for j, p in zip(slots, prev)]
+            for j, i in last.items():
+                self.pool_docs[j] = new_docs[i]
+        js, src = torch.tensor(list(last)), torch.tensor(list(last.values()))
+        self.pool_ids[js] = new_ids[src].to(torch.int32)
+        self.pool_lengths[js] = new_lengths[src].to(torch.int32)
+        self.drawn += n
+        return out_ids, out_lengths, docs
+
+    def next_rows(self, n: int) -> dict[str, torch.Tensor]:
+        """`n` rows: input_ids, attention_mask, labels (IGNORE_INDEX on padding)."""
+        ids, lengths, docs = self._draw(n) if self.shuffle_buffer else self._source_rows(n)
+        self.last_docs = torch.tensor(docs, dtype=torch.long) if self.track_docs else None
+        if self.mode == "pack":
+            return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+        mask = (torch.arange(self.seq_len)[None, :] < lengths[:, None]).long()
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, IGNORE_INDEX)}
+
+
+_STREAM_FIELDS = (
+    "epoch",
+    "cursor",
+    "buffer",
+    "pending",
+    "_order",
+    "drawn",
+    "pool_ids",
+    "pool_lengths",
+    "buffer_docs",
+    "pending_docs",
+    "pool_docs",
+)
+
+
+def _majority(docs: list[int]) -> int:
+    """The most frequent entry (the first of equals): the document supplying most of a row."""
+    return Counter(docs).most_common(1)[0][0]
+
+
+def _draw_seed(seed: int, drawn: int) -> int:
+    """A 63-bit generator seed for the draw after `drawn` rows, unrelated to the epoch orders'."""
+    digest = hashlib.blake2b(f"rows:{seed}:{drawn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def count_targets(labels: torch.Tensor) -> int:
@@ -478,7 +606,10 @@ def count_targets(labels: torch.Tensor) -> int:
 
 
 class Batches:
-    """Global optimizer-step batches from a TokenStream, sliced for one rank."""
+    """Global optimizer-step batches from a TokenStream, sliced for one rank.
+
+    The step's global rows are drawn in one call (through the shuffle buffer, if any) whatever
+    the number of processes, then sliced: the rows of a step do not depend on the world size."""
 
     def __init__(
         self,

@@ -113,7 +113,12 @@ class Trainer:
             self.corpus = data_mod.load_corpus(cfg.data)
             self.tok = data_mod.load_tokenizer(cfg.data, self.corpus)
         self.stream = data_mod.TokenStream(
-            self.corpus, self.tok, cfg.data.seq_len, cfg.data.mode, cfg.data.shuffle_seed
+            self.corpus,
+            self.tok,
+            cfg.data.seq_len,
+            cfg.data.mode,
+            cfg.data.shuffle_seed,
+            shuffle_buffer=cfg.data.shuffle_buffer,
         )
         self.batches = data_mod.Batches(
             self.stream, t.batch_size, t.grad_accum, self.rank, self.world, vocab_size=self.tok.vocab_size

@@ -124,12 +124,127 @@ def test_hub_source_streams_a_local_dataset_offline(tmp_path, builtin):
     assert corpus.streaming
     val = list(corpus.iter_val())
     assert len(val) == 20 and val[0].startswith("hub document number 9 ")
-    straight = data.TokenStream(corpus, tok, 16, "pack", 0, chunk=4)
-    ref = _take(straight, 6, 4)
-    first = data.TokenStream(corpus, tok, 16, "pack", 0, chunk=4)
-    head = _take(first, 2, 4)
-    resumed = data.TokenStream(corpus, tok, 16, "pack", 0, chunk=4)
-    resumed.load_state_dict(first.state_dict())
-    assert all(torch.equal(a, b) for a, b in zip(ref, head + _take(resumed, 4, 4)))
+    for buffer in (0, 8):  # in stream order, and through a shuffle buffer
+        straight = data.TokenStream(corpus, tok, 16, "pack", 0, chunk=4, shuffle_buffer=buffer)
+        ref = _take(straight, 6, 4)
+        first = data.TokenStream(corpus, tok, 16, "pack", 0, chunk=4, shuffle_buffer=buffer)
+        head = _take(first, 2, 4)
+        resumed = data.TokenStream(corpus, tok, 16, "pack", 0, chunk=4, shuffle_buffer=buffer)
+        resumed.load_state_dict(first.state_dict())
+        assert all(torch.equal(a, b) for a, b in zip(ref, head + _take(resumed, 4, 4)))
     with pytest.raises(ConfigError, match="builtin-bpe needs an in-memory corpus"):
         data.load_tokenizer(cfg, corpus)
+
+
+@pytest.mark.parametrize("mode", ["pack", "truncate"])
+def test_shuffle_buffer_resumes_exactly_and_undoes_a_draw(builtin, mode):
+    """The buffer's rows and draw counter are the position: a saved and reloaded stream (through
+    torch.save, as in a checkpoint) continues with the same rows, and a restored snapshot redraws
+    the rows it undid."""
+    import io
+
+    _, corpus, tok = builtin
+
+    def stream():
+        return data.TokenStream(corpus, tok, 32, mode, seed=1, shuffle_buffer=64)
+
+    ref = _take(stream(), 12, 8)
+    first = stream()
+    head = _take(first, 5, 8)
+    blob = io.BytesIO()
+    torch.save(first.state_dict(), blob)
+    blob.seek(0)
+    resumed = stream()
+    resumed.load_state_dict(torch.load(blob))
+    snap = resumed.snapshot()
+    undone = _take(resumed, 1, 8)
+    resumed.restore(snap)
+    tail = _take(resumed, 7, 8)
+    assert torch.equal(undone[0], tail[0])
+    assert all(torch.equal(a, b) for a, b in zip(ref, head + tail))
+    in_order = _take(data.TokenStream(corpus, tok, 32, mode, seed=1), 12, 8)
+    assert not all(torch.equal(a, b) for a, b in zip(ref, in_order)), "the buffer changes the order"
+
+
+def test_shuffle_buffer_state_is_its_rows_and_a_counter(builtin):
+    """The saved buffer is P x (seq_len + 1) int32 values (ids and lengths), 4 bytes each."""
+    _, corpus, tok = builtin
+    s = data.TokenStream(corpus, tok, 32, "pack", 0, shuffle_buffer=64)
+    s.next_rows(8)
+    sd = s.state_dict()
+    assert sd["drawn"] == 8
+    assert sd["pool_ids"].nbytes + sd["pool_lengths"].nbytes == 64 * (32 + 1) * 4
+    assert data.TokenStream(corpus, tok, 32, "pack", 0).state_dict()["pool_ids"].numel() == 0
+
+
+def test_shuffle_buffer_loses_and_repeats_no_row(builtin):
+    """A buffer smaller than a draw (slots drawn twice in one call) still emits every source row
+    once: the rows drawn plus the rows left in the buffer are the source rows, reordered."""
+    _, corpus, tok = builtin
+    shuffled = data.TokenStream(corpus, tok, 16, "pack", 0, shuffle_buffer=5)
+    drawn = torch.cat(_take(shuffled, 30, 8) + [shuffled.pool_ids.long()])
+    source = torch.cat(_take(data.TokenStream(corpus, tok, 16, "pack", 0), 1, 30 * 8 + 5))
+
+    def key(rows):
+        return sorted(map(tuple, rows.tolist()))
+
+    assert key(drawn) == key(source) and not torch.equal(drawn[:240], source[:240])
+
+
+def test_shuffle_buffer_is_seeded(builtin):
+    _, corpus, tok = builtin
+
+    def rows(seed):
+        return _take(data.TokenStream(corpus, tok, 32, "pack", seed, shuffle_buffer=64), 3, 8)
+
+    a, b, c = rows(0), rows(0), rows(1)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not all(torch.equal(x, y) for x, y in zip(a, c))
+
+
+def test_two_ranks_draw_one_global_batch_from_the_buffer(builtin):
+    """With a shuffle buffer, 2 processes at batch B still see the rows 1 process sees at 2B."""
+    _, corpus, tok = builtin
+
+    def batches(b, rank=0, world=1):
+        stream = data.TokenStream(corpus, tok, 32, "truncate", 0, shuffle_buffer=32)
+        return data.Batches(stream, b, 2, rank=rank, world=world)
+
+    one, r0, r1 = batches(8), batches(4, 0, 2), batches(4, 1, 2)
+    for _ in range(3):
+        (m1, n1), (a, na), (b, nb) = one.next_step(), r0.next_step(), r1.next_step()
+        assert n1 == na == nb
+        for k in range(2):
+            for key in ("input_ids", "attention_mask", "labels"):
+                assert torch.equal(m1[k][key], torch.cat([a[k][key], b[k][key]]))
+
+
+def test_default_run_batches_mix_documents():
+    """Acceptance (issue 19, point 6): the default recipe's (`make train`) 300 batches of 16 rows
+    come from a median of at least 12 distinct documents (a pack row's document: the one that
+    supplies most of its tokens); in document order (`data.shuffle_buffer=0`) the median is 1."""
+    import statistics
+    from pathlib import Path
+
+    from effpretrain.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "recipes" / "tiny" / "adamw.yaml", [])
+    d, t = cfg.data, cfg.train
+    corpus = data.load_corpus(d)
+    tok = data.load_tokenizer(d, corpus)
+
+    def distinct(buffer):
+        stream = data.TokenStream(
+            corpus, tok, d.seq_len, d.mode, d.shuffle_seed, shuffle_buffer=buffer, track_docs=True
+        )
+        batches = data.Batches(stream, t.batch_size, t.grad_accum)
+        counts = []
+        for _ in range(t.max_steps):
+            batches.next_step()
+            assert stream.last_docs.numel() == t.batch_size * t.grad_accum
+            counts.append(len(set(stream.last_docs.tolist())))
+        return statistics.median(counts)
+
+    assert (t.batch_size, t.grad_accum, d.mode) == (16, 1, "pack")
+    assert distinct(d.shuffle_buffer) >= 12
+    assert distinct(0) <= 3
