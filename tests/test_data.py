@@ -155,7 +155,7 @@ def test_shuffle_buffer_resumes_exactly_and_undoes_a_draw(builtin, mode):
     torch.save(first.state_dict(), blob)
     blob.seek(0)
     resumed = stream()
-    resumed.load_state_dict(torch.load(blob))
+    resumed.load_state_dict(torch.load(blob, weights_only=True))
     snap = resumed.snapshot()
     undone = _take(resumed, 1, 8)
     resumed.restore(snap)
