@@ -30,7 +30,6 @@ import argparse
 import datetime as dt
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,27 +37,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from effpretrain.config import load_config
+from effpretrain.memory import saved_tensor_bytes
 from effpretrain.models.factorized import SLTrainLinear
 from effpretrain.models.llama import PRESETS
 from effpretrain.reporting import cpu_description, git_commit
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = ("60m", "130m", "350m", "1b")
-
-
-def saved_bytes(fn: Callable[[], Tensor]) -> int:
-    """Bytes of the distinct storages the graph of `fn()` saves for backward."""
-    storages: dict[int, int] = {}
-
-    def pack(t: Tensor) -> Tensor:
-        storage = t.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    del out
-    return sum(storages.values())
 
 
 def dense_forward(layer: SLTrainLinear, x: Tensor) -> Tensor:
@@ -85,8 +70,8 @@ def measure(n: int, m: int, rank: int, alpha: float, density: float, dtype: torc
     with torch.no_grad():
         layer.B.normal_()  # B starts at zero; the bytes do not depend on it, the check below does
     x = torch.randn(tokens, n, dtype=dtype, requires_grad=True)
-    new = saved_bytes(lambda: layer(x))
-    old = saved_bytes(lambda: dense_forward(layer, x))
+    new, _ = saved_tensor_bytes(lambda: layer(x))
+    old, _ = saved_tensor_bytes(lambda: dense_forward(layer, x))
     e, nnz = layer.B.element_size(), layer.sparse_index.numel()
     x_bytes = x.numel() * e
     formula = x_bytes + rank * (m + n) * e + nnz * e + 8 * nnz

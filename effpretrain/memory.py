@@ -388,6 +388,22 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def saved_tensor_bytes(fn: Any) -> tuple[int, Any]:
+    """Bytes the autograd graph of `fn()` saves for backward (each distinct storage once, as it
+    is held once), measured with `torch.autograd.graph.saved_tensors_hooks`; and `fn()`'s result.
+    Works on any device, CPU included, where process RSS cannot tell tensors apart."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(storages.values()), out
+
+
 def format_table(est: Estimate) -> str:
     """A human-readable breakdown in GB (1e9 bytes)."""
     rows = [

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from effpretrain.memory import saved_tensor_bytes
 from effpretrain.models.factorized import SLTrainLinear
 
 
@@ -29,20 +30,6 @@ def reference_weight(layer: SLTrainLinear, B: Tensor, A: Tensor, values: Tensor)
     m, n = layer.out_features, layer.in_features
     S = torch.zeros(m * n, dtype=values.dtype).index_put((layer.sparse_index,), values).view(m, n)
     return layer.scale * (B @ A) + S
-
-
-def saved_bytes(fn: Callable[[], Tensor]) -> tuple[int, Tensor]:
-    """Bytes of the storages the graph of `fn()` saves for backward, each distinct storage once."""
-    storages: dict[int, int] = {}
-
-    def pack(t: Tensor) -> Tensor:
-        storage = t.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return sum(storages.values()), out
 
 
 def _nbytes(t: Tensor) -> int:
@@ -88,8 +75,8 @@ def test_1b_mlp_layer_saves_factors_values_index_and_input_not_the_dense_weight(
     bound = sum(_nbytes(t) for t in (layer.A, layer.B, layer.sparse_values, layer.sparse_index, x))
     dense = ONE_B_MLP["m"] * ONE_B_MLP["n"] * 4
 
-    new, y_new = saved_bytes(lambda: layer(x))
-    old, y_old = saved_bytes(lambda: dense_reference(layer, x))
+    new, y_new = saved_tensor_bytes(lambda: layer(x))
+    old, y_old = saved_tensor_bytes(lambda: dense_reference(layer, x))
     assert new <= bound
     assert old >= bound - _nbytes(layer.sparse_values) + dense  # the old graph kept the m x n weight
     assert old - new >= dense - _nbytes(layer.sparse_values)
@@ -109,8 +96,8 @@ def test_saved_bytes_formula_of_the_docstring(dtype, x_grad):
     x = torch.randn(3, 5, n, dtype=dtype, requires_grad=x_grad)
     nnz = layer.sparse_index.numel()
     e = torch.finfo(dtype).bits // 8
-    new, _ = saved_bytes(lambda: layer(x))
-    old, _ = saved_bytes(lambda: dense_reference(layer, x))
+    new, _ = saved_tensor_bytes(lambda: layer(x))
+    old, _ = saved_tensor_bytes(lambda: dense_reference(layer, x))
     if x_grad:
         assert new == _nbytes(x) + r * (m + n) * e + nnz * e + 8 * nnz
         assert old == new - nnz * e + m * n * e  # the dense graph keeps W instead of the values
