@@ -223,10 +223,15 @@ class DataConfig:
     """Where tokens come from (builtin | files | hub) and how they become batches."""
 
     source: Literal["builtin", "files", "hub"] = "builtin"
-    """`builtin`: standard-library sources, no download; `files`: `data.path`; `hub`: a streamed
-    HF dataset `data.name`."""
+    """`builtin`: standard-library sources, no download; `files`: local shards `data.path`,
+    streamed; `hub`: a streamed HF dataset `data.name`. Streamed sources read per rank: their
+    batches depend on the number of processes (README: Data)."""
     path: str = ""
-    """`files`: a .txt / .jsonl / .parquet file or a folder of them."""
+    """`files`: a .txt / .jsonl / .jsonl.gz (.json.gz) / .parquet file, a folder of them, or a glob
+    pattern (e.g. `c4/en/c4-train.*.json.gz`)."""
+    val_path: str = ""
+    """`files`: the held-out shards (file, folder or glob, e.g. C4's `c4-validation.*.json.gz`);
+    empty: one in `data.val_every` documents of `data.path` is held out."""
     name: str = ""
     """`hub`: dataset name, e.g. `allenai/c4`."""
     config: str = ""
@@ -247,10 +252,19 @@ class DataConfig:
     """`pack`: documents concatenated with EOS; `truncate`: one document per row, padded (the
     paper's)."""
     val_every: PositiveInt = 50
-    """`builtin`, `files` (and `hub` without `data.val_split`): every Nth document is held out."""
+    """One in N documents is held out: `builtin` every Nth; `files` without `data.val_path` and
+    `hub` without `data.val_split` those whose text hash is 0 mod N (the same for any shard order,
+    seed or number of processes)."""
     shuffle_seed: Seed = 0
-    """Seed of the document order (`builtin`, `files`) and of the row draws from the shuffle
-    buffer."""
+    """Seed of the document order (`builtin`'s permutation; the shard order and document buffer
+    of `files` and `hub`) and of the row draws from the shuffle buffer. Paper recipes: 42, the
+    benchmark's."""
+    doc_buffer: NonNegativeInt = 1000
+    """`files`, `hub`: documents in the seeded shuffle buffer each rank reads through (1000:
+    `datasets`' `shuffle` default, which the benchmark uses); 0: shard order."""
+    bpe_sample_mb: PositiveInt = 64
+    """`files` with `data.tokenizer=builtin-bpe`: the BPE trains on the first this many MB of
+    training text (sorted shard order), not on the whole corpus."""
     shuffle_buffer: NonNegativeInt = 4096
     """Rows in the shuffle buffer that training rows are drawn from at random, so that a batch
     mixes documents (README: Training); 0: rows in document order, consecutive rows of one document."""
@@ -436,8 +450,10 @@ def validate(cfg: RunConfig, source: str = "config") -> RunConfig:
         )
     if cfg.data.source == "files" and not cfg.data.path:
         raise ConfigError(f"{source}: data.path is required when data.source=files")
-    if cfg.data.source == "files" and not Path(cfg.data.path).expanduser().exists():
-        raise ConfigError(f"{source}: data.path not found: {cfg.data.path}")
+    for key, spec in (("data.path", cfg.data.path), ("data.val_path", cfg.data.val_path)):
+        pattern = any(c in spec for c in "*?[")  # a glob is matched when the data is opened
+        if cfg.data.source == "files" and spec and not pattern and not Path(spec).expanduser().exists():
+            raise ConfigError(f"{source}: {key} not found: {spec}")
     if cfg.data.source == "hub" and not cfg.data.name:
         raise ConfigError(f"{source}: data.name is required when data.source=hub")
     return cfg

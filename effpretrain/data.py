@@ -24,13 +24,17 @@ number of processes.
 
 from __future__ import annotations
 
+import glob as globmod
+import gzip
 import hashlib
 import json
 import logging
 import os
+import random
 import sysconfig
+import zlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,85 +82,360 @@ def builtin_documents() -> list[str]:
     return docs
 
 
-def _txt_documents(path: Path, max_chars: int = 4000) -> list[str]:
-    """A .txt file becomes documents of whole paragraphs, each up to ~max_chars."""
-    text = path.read_text(encoding="utf-8", errors="replace")
-    docs, cur = [], ""
-    for para in text.split("\n\n"):
-        if not para.strip():
-            continue
-        if cur and len(cur) + len(para) > max_chars:
-            docs.append(cur)
-            cur = ""
-        cur = f"{cur}\n\n{para}" if cur else para
+# ----------------------------------------------------------------------------------------------
+# Local shards: streamed record by record, never a whole corpus in memory
+
+#: Shard types by file-name ending (longest first). `.json.gz` is JSON lines too: C4's shards
+#: (`c4-train.00000-of-01024.json.gz`) are named so.
+_SHARD_KINDS = (
+    (".jsonl.gz", "jsonl"),
+    (".json.gz", "jsonl"),
+    (".jsonl", "jsonl"),
+    (".parquet", "parquet"),
+    (".txt", "txt"),
+)
+_KINDS_TEXT = ".txt, .jsonl, .jsonl.gz (.json.gz) or .parquet"
+_TXT_DOC_CHARS = 4000
+
+
+def shard_kind(path: Path) -> str | None:
+    """`jsonl`, `parquet`, `txt`, or None for a file that is not a shard."""
+    return next((kind for end, kind in _SHARD_KINDS if path.name.endswith(end)), None)
+
+
+def list_shards(spec: str, key: str = "data.path") -> list[Path]:
+    """The shards named by `spec`: a file, a folder (searched recursively) or a glob pattern
+    (``**`` allowed), in sorted path order. ConfigError when nothing matches."""
+    if any(c in spec for c in "*?["):
+        found = sorted(Path(p) for p in globmod.glob(os.path.expanduser(spec), recursive=True))
+        files = [p for p in found if p.is_file() and shard_kind(p)]
+        if not files:
+            raise ConfigError(f"{key} {spec}: no {_KINDS_TEXT} files match this pattern")
+        return files
+    p = Path(spec).expanduser()
+    if not p.exists():
+        raise ConfigError(f"{key} not found: {spec}")
+    if p.is_dir():
+        files = sorted(
+            (q for q in p.rglob("*") if q.is_file() and shard_kind(q)), key=lambda q: q.relative_to(p).as_posix()
+        )
+        if not files:
+            raise ConfigError(f"{key} {spec}: no .txt, .jsonl or .parquet files in this folder ({_KINDS_TEXT})")
+        return files
+    if shard_kind(p) is None:
+        raise ConfigError(f"{key} {spec}: unsupported file type {p.suffix!r} (use {_KINDS_TEXT})")
+    return [p]
+
+
+def shard_records(path: Path, field: str = "text", skip: int = 0) -> Iterator[tuple[int, str]]:
+    """(record index, text) for each record of one shard, from record `skip` on; the skipped
+    records are counted but not parsed. A record is a non-blank line (JSON lines), a row
+    (parquet) or a paragraph document (txt); its text may be blank (the caller drops it).
+
+    Raises:
+        ConfigError: naming the file and line (or row) of a corrupt gzip stream, a line that is
+            not JSON or lacks the text field, a non-string text; or an empty shard (no non-blank
+            document), which is never skipped silently.
+    """
+    kind = shard_kind(path)
+    reader = {"jsonl": _jsonl_records, "parquet": _parquet_records, "txt": _txt_records}[kind]
+    nonblank = 0
+    for index, text in reader(path, field, skip):
+        nonblank += bool(text.strip())
+        yield index, text
+    if skip == 0 and nonblank == 0:
+        raise ConfigError(f"{path}: empty shard: no non-blank documents (the corpus is empty there)")
+
+
+def _json_text(path: Path, lineno: int, line: str, field: str) -> str:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError:
+        raise ConfigError(f"{path}:{lineno}: not valid JSON") from None
+    if not isinstance(obj, dict) or field not in obj:
+        raise ConfigError(f"{path}:{lineno}: no text field {field!r} (set data.text_field)")
+    text = obj[field]
+    if not isinstance(text, str):
+        raise ConfigError(f"{path}:{lineno}: field {field!r} is not a string")
+    return text
+
+
+def _jsonl_records(path: Path, field: str, skip: int) -> Iterator[tuple[int, str]]:
+    gz = path.name.endswith(".gz")
+    lineno, n = 0, 0
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") if gz else path.open(encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, 1):  # noqa: B007 (lineno names the failing line below)
+                if not line.strip():
+                    continue
+                n += 1
+                if n > skip:
+                    yield n - 1, _json_text(path, lineno, line, field)
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}:{lineno + 1}: not UTF-8 text") from None
+    except (OSError, EOFError, zlib.error) as e:
+        what = "corrupt or truncated gzip" if gz else "unreadable"
+        raise ConfigError(f"{path}:{lineno + 1}: {what} ({type(e).__name__}: {e})") from None
+
+
+def _txt_records(path: Path, field: str, skip: int) -> Iterator[tuple[int, str]]:
+    """Paragraphs (split at blank lines, "\\n\\n") joined into documents of up to ~4000 chars,
+    read 1 MiB at a time (a paragraph split across two reads is rejoined: the tail is kept)."""
+    n = 0
+    cur = tail = ""
+    with path.open(encoding="utf-8", errors="replace") as fh:
+        while True:
+            block = fh.read(1 << 20)
+            parts = (tail + block).split("\n\n")
+            tail = parts.pop() if block else ""
+            for para in parts:
+                if not para.strip():
+                    continue
+                if cur and len(cur) + len(para) > _TXT_DOC_CHARS:
+                    n += 1
+                    if n > skip:
+                        yield n - 1, cur
+                    cur = ""
+                cur = f"{cur}\n\n{para}" if cur else para
+            if not block:
+                break
     if cur.strip():
-        docs.append(cur)
-    return docs
+        n += 1
+        if n > skip:
+            yield n - 1, cur
 
 
-def _jsonl_documents(path: Path, field: str) -> list[str]:
-    docs = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                raise ConfigError(f"{path}:{lineno}: not valid JSON") from None
-            if not isinstance(obj, dict) or field not in obj:
-                raise ConfigError(f"{path}:{lineno}: no text field {field!r} (set data.text_field)")
-            if not isinstance(obj[field], str):
-                raise ConfigError(f"{path}:{lineno}: field {field!r} is not a string")
-            if obj[field].strip():
-                docs.append(obj[field])
-    return docs
-
-
-def _parquet_documents(path: Path, field: str) -> list[str]:
+def _parquet_records(path: Path, field: str, skip: int) -> Iterator[tuple[int, str]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise ConfigError("reading .parquet needs pyarrow: pip install pyarrow") from None
     try:
-        table = pq.read_table(path)
+        pf = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises several types for a bad file
         raise ConfigError(f"{path}: not a readable parquet file ({type(e).__name__})") from None
-    if field not in table.column_names:
-        raise ConfigError(f"{path}: no column {field!r} (columns: {', '.join(table.column_names)})")
-    return [t for t in table.column(field).to_pylist() if isinstance(t, str) and t.strip()]
-
-
-_READERS = {".txt": "txt", ".jsonl": "jsonl", ".parquet": "parquet"}
+    if field not in pf.schema_arrow.names:
+        raise ConfigError(f"{path}: no column {field!r} (columns: {', '.join(pf.schema_arrow.names)})")
+    row = 0
+    for g in range(pf.num_row_groups):
+        rows = pf.metadata.row_group(g).num_rows
+        if row + rows <= skip:  # a resume skips whole row groups unread
+            row += rows
+            continue
+        try:
+            values = pf.read_row_group(g, columns=[field]).column(0).to_pylist()
+        except Exception as e:
+            raise ConfigError(f"{path}: row group {g} (row {row}) unreadable ({type(e).__name__})") from None
+        for v in values:
+            if v is not None and not isinstance(v, str):
+                raise ConfigError(f"{path}: row {row}: column {field!r} is not a string")
+            if row >= skip:
+                yield row, v or ""
+            row += 1
 
 
 def file_documents(path: str, field: str = "text") -> list[str]:
-    """Documents from a file or folder of .txt/.jsonl/.parquet files (sorted paths)."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise ConfigError(f"data.path not found: {path}")
-    if p.is_dir():
-        files = sorted(q for q in p.rglob("*") if q.is_file() and q.suffix in _READERS)
-        if not files:
-            raise ConfigError(f"data.path {path}: no .txt, .jsonl or .parquet files in this folder")
-    else:
-        if p.suffix not in _READERS:
-            raise ConfigError(
-                f"data.path {path}: unsupported file type {p.suffix!r} (use .txt, .jsonl, .parquet)"
-            )
-        files = [p]
-    docs: list[str] = []
-    for f in files:
-        kind = _READERS[f.suffix]
-        if kind == "txt":
-            docs.extend(_txt_documents(f))
-        elif kind == "jsonl":
-            docs.extend(_jsonl_documents(f, field))
-        else:
-            docs.extend(_parquet_documents(f, field))
+    """Every non-blank document of a file, folder or glob of shards, in memory (small corpora and
+    tests; training streams them through `ShardedFiles`)."""
+    docs = [t for f in list_shards(path) for _, t in shard_records(f, field) if t.strip()]
     if not docs:
         raise ConfigError(f"data.path {path}: the corpus is empty (no non-blank documents)")
     return docs
+
+
+def held_out(text: str, every: int) -> bool:
+    """A streamed document is held out for validation when a hash of its text is 0 mod `every`:
+    about one in `every`, the same documents whatever the shard order, shuffle seed or number of
+    processes, and duplicates of a held-out text are held out too."""
+    digest = hashlib.blake2b(text.encode("utf-8", "replace"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % every == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Streamed training documents: one rank's share, a seeded shuffle buffer, an O(1) position
+
+
+class DocReader:
+    """One rank's training documents through a seeded shuffle buffer of `size` documents.
+
+    The buffer fills with the source's first `size` documents; then the i-th document read takes
+    the one in slot j_i ~ Uniform{0, ..., size-1} and the source's next document takes its place
+    (the rule of `datasets`' ``IterableDataset.shuffle``, whose default the benchmark uses with
+    1000). The slots of draws [1024 b, 1024 (b + 1)) come from a generator seeded with
+    (seed, rank, b), so the draw is a function of the saved state. The state is the source's
+    position, the draw counter and the buffered texts: restoring it costs one shard's skip at
+    most, whatever the step. size = 0: the source order.
+
+    Its `source` yields (document id, text) with `next_doc()` and has `state_dict`,
+    `load_state_dict`, `snapshot` and `restore`.
+    """
+
+    BLOCK = 1024
+
+    def __init__(self, source, size: int, seed: int, rank: int):
+        self.source, self.size, self.seed, self.rank = source, size, seed, rank
+        self.buffer: list[tuple[int, str]] = []
+        self.drawn = 0
+        self._slots: tuple[int, list[int]] | None = None
+
+    def _slot(self) -> int:
+        block, i = divmod(self.drawn, self.BLOCK)
+        if self._slots is None or self._slots[0] != block:
+            rng = random.Random(f"docs:{self.seed}:{self.rank}:{block}")  # str seeds: sha512, stable
+            self._slots = (block, [rng.randrange(self.size) for _ in range(self.BLOCK)])
+        return self._slots[1][i]
+
+    def next_doc(self) -> tuple[int, str]:
+        if not self.size:
+            return self.source.next_doc()
+        while len(self.buffer) < self.size:
+            self.buffer.append(self.source.next_doc())
+        j = self._slot()
+        out, self.buffer[j] = self.buffer[j], self.source.next_doc()
+        self.drawn += 1
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source.state_dict(),
+            "drawn": self.drawn,
+            "ids": torch.tensor([i for i, _ in self.buffer], dtype=torch.int64),
+            "texts": [t for _, t in self.buffer],
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.source.load_state_dict(sd["source"])
+        self.drawn = int(sd["drawn"])
+        self.buffer = list(zip(sd["ids"].tolist(), sd["texts"]))
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"source": self.source.snapshot(), "drawn": self.drawn, "buffer": list(self.buffer)}
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        self.source.restore(snap["source"])
+        self.drawn, self.buffer = snap["drawn"], list(snap["buffer"])
+
+
+class _LocalShardDocs:
+    """One rank's raw training documents from local shards, epoch after epoch.
+
+    Rank r of W reads shards i with i % W == r when there are at least W shards, else every shard
+    and its records i with i % W == r (`datasets.distributed.split_dataset_by_node`'s two ways);
+    each epoch visits the rank's shards in a seeded order, each from its start. The position is
+    (epoch, shard_pos, in_shard): `load_state_dict` reopens one shard and skips `in_shard`
+    records of it, never the records of earlier shards."""
+
+    def __init__(self, corpus: ShardedFiles, rank: int, world: int, seed: int):
+        n = len(corpus.files)
+        self.corpus, self.rank, self.world, self.seed = corpus, rank, world, seed
+        self.shards = list(range(rank, n, world)) if n >= world else list(range(n))
+        self.stride = 1 if n >= world else world
+        self.epoch = self.shard_pos = self.in_shard = 0
+        self.opened = 0  # shards opened (tests: a resume opens one)
+        self._it: Iterator[tuple[int, str]] | None = None
+        self._order: tuple[int, list[int]] | None = None
+        self._found = False  # a document in this epoch: an epoch without one means none at all
+
+    def _epoch_order(self) -> list[int]:
+        if self._order is None or self._order[0] != self.epoch:
+            order = list(self.shards)
+            random.Random(f"shards:{self.seed}:{self.epoch}").shuffle(order)
+            self._order = (self.epoch, order)
+        return self._order[1]
+
+    def next_doc(self) -> tuple[int, str]:
+        while True:
+            if self._it is None:
+                order = self._epoch_order()
+                if self.shard_pos >= len(order):
+                    if not self._found:
+                        raise ConfigError(
+                            f"{self.corpus.name}: too few documents: rank {self.rank} of {self.world} "
+                            "has no training documents"
+                        )
+                    self.epoch, self.shard_pos, self._found = self.epoch + 1, 0, False
+                    continue
+                self._shard = order[self.shard_pos]
+                self._it = shard_records(self.corpus.files[self._shard], self.corpus.field, self.in_shard)
+                self.opened += 1
+            try:
+                index, text = next(self._it)
+            except StopIteration:
+                self._it, self.shard_pos, self.in_shard = None, self.shard_pos + 1, 0
+                continue
+            self.in_shard = index + 1
+            if index % self.stride == self.rank % self.stride and self.corpus.is_train(text):
+                self._found = True
+                return (self._shard << 32) | index, text
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "shard_pos": self.shard_pos, "in_shard": self.in_shard}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.epoch, self.shard_pos, self.in_shard = int(sd["epoch"]), int(sd["shard_pos"]), int(sd["in_shard"])
+        self._it, self._found = None, True
+
+    snapshot = state_dict
+
+    def restore(self, snap: dict[str, int]) -> None:
+        if snap != self.state_dict():
+            self.load_state_dict(snap)
+
+
+class _HubDocs:
+    """One rank's raw training documents of a `datasets` stream, epoch after epoch: shards in a
+    seeded order per epoch (``shuffle(seed, buffer_size=1)``: no buffer inside `datasets`, whose
+    contents its state would not keep; `DocReader` holds the buffer), split by
+    ``split_dataset_by_node`` as the benchmark does. The position is the epoch and
+    ``IterableDataset.state_dict()`` (shard and offset in it): O(1) to restore."""
+
+    def __init__(self, corpus: HubCorpus, rank: int, world: int, seed: int):
+        from datasets.distributed import split_dataset_by_node
+
+        ds = corpus.load(corpus.cfg.split).shuffle(seed=seed, buffer_size=1, max_buffer_input_shards=1)
+        self.ds = split_dataset_by_node(ds, rank=rank, world_size=world)
+        self.corpus, self.rank, self.world = corpus, rank, world
+        self.epoch, self.count, self.opened = 0, 0, 0
+        self._it: Iterator[dict[str, Any]] | None = None
+        self._resume: str | None = None  # the saved `datasets` state, applied at the next read
+        self._found = False
+
+    def next_doc(self) -> tuple[int, str]:
+        while True:
+            if self._it is None:
+                self.ds.set_epoch(self.epoch)  # the shard order's seed is seed + epoch
+                if self._resume:
+                    self.ds.load_state_dict(json.loads(self._resume))
+                self._it, self._resume = iter(self.ds), None
+                self.opened += 1
+            try:
+                row = next(self._it)
+            except StopIteration:
+                if not self._found:
+                    raise ConfigError(
+                        f"{self.corpus.name}: too few documents: rank {self.rank} of {self.world} "
+                        "has no training documents"
+                    ) from None
+                self.epoch, self._it, self._found = self.epoch + 1, None, False
+                continue
+            text = self.corpus.row_text(row)
+            if self.corpus.is_train(text):
+                self.count, self._found = self.count + 1, True
+                return self.count - 1, text
+
+    def state_dict(self) -> dict[str, Any]:
+        hub = json.dumps(self.ds.state_dict()) if self._it is not None else self._resume
+        return {"epoch": self.epoch, "count": self.count, "hub": hub or ""}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.epoch, self.count = int(sd["epoch"]), int(sd["count"])
+        self._it, self._resume, self._found = None, sd["hub"] or None, True
+
+    snapshot = state_dict
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        if snap != self.state_dict():
+            self.load_state_dict(snap)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,13 +443,13 @@ def file_documents(path: str, field: str = "text") -> list[str]:
 
 
 class Corpus:
-    """Train and held-out documents. In-memory sources index documents; hub streams them."""
+    """Train and held-out documents in memory (the built-in corpus); indexed, not streamed."""
 
     streaming = False
 
     def __init__(self, train: list[str], val: list[str], name: str):
         if not train:
-            raise ConfigError(f"{name}: no training documents left after holding out validation")
+            raise ConfigError(f"{name}: too few documents: none left for training after holding out validation")
         if not val:
             raise ConfigError(f"{name}: too few documents to hold out a validation split")
         self.train, self.val, self.name = train, val, name
@@ -190,8 +469,68 @@ def _split(docs: list[str], every: int) -> tuple[list[str], list[str]]:
     return train, val
 
 
+class ShardedFiles:
+    """`data.source=files`: local shards (`list_shards`), streamed, never held in memory.
+
+    Validation: the documents of `data.val_path` if set, else the `held_out` ones (one in
+    `data.val_every`, by text hash) read in sorted shard order: `validation_set` stops at
+    `train.eval_tokens`, so only the first shards are read. Training: every other non-blank
+    document, per rank through `reader`. The built-in tokenizer trains on the first
+    `data.bpe_sample_mb` MB of training text in sorted shard order (`tokenizer_sample`)."""
+
+    streaming = True
+
+    def __init__(self, cfg: DataConfig):
+        self.cfg, self.field, self.every = cfg, cfg.text_field, cfg.val_every
+        self.files = list_shards(cfg.path)
+        self.val_files = list_shards(cfg.val_path, "data.val_path") if cfg.val_path else None
+        self.name = f"files:{cfg.path}"
+        self._fingerprint: str | None = None
+
+    def is_train(self, text: str) -> bool:
+        return bool(text.strip()) and (self.val_files is not None or not held_out(text, self.every))
+
+    def iter_val(self) -> Iterator[str]:
+        n = 0
+        for f in self.val_files or self.files:
+            for _, text in shard_records(f, self.field):
+                if text.strip() and (self.val_files is not None or held_out(text, self.every)):
+                    n += 1
+                    yield text
+        if not n:
+            raise ConfigError(
+                f"{self.name}: too few documents to hold out a validation split "
+                f"(one in data.val_every={self.every}); or set data.val_path"
+            )
+
+    def tokenizer_sample(self) -> list[str]:
+        """Training documents in sorted shard order up to `data.bpe_sample_mb` MB of text."""
+        budget, used, docs = self.cfg.bpe_sample_mb * 1_000_000, 0, []
+        for f in self.files:
+            for _, text in shard_records(f, self.field):
+                if self.is_train(text):
+                    docs.append(text)
+                    used += len(text)
+                    if used >= budget:
+                        return docs
+        return docs
+
+    def fingerprint(self) -> str:
+        """A hash of the tokenizer sample (the built-in BPE's cache key)."""
+        if self._fingerprint is None:
+            h = hashlib.sha256()
+            for d in self.tokenizer_sample():
+                h.update(d.encode("utf-8", "replace"))
+                h.update(b"\0")
+            self._fingerprint = h.hexdigest()[:16]
+        return self._fingerprint
+
+    def reader(self, rank: int, world: int, seed: int, doc_buffer: int) -> DocReader:
+        return DocReader(_LocalShardDocs(self, rank, world, seed), doc_buffer, seed, rank)
+
+
 class HubCorpus:
-    """A streamed HF dataset; held-out documents come from `val_split` or every Nth document."""
+    """A streamed HF dataset; held-out documents come from `val_split` or the `held_out` ones."""
 
     streaming = True
 
@@ -200,11 +539,11 @@ class HubCorpus:
             import datasets
         except ImportError:
             raise ConfigError("data.source=hub needs the datasets package") from None
-        self.cfg = cfg
+        self.cfg, self.every = cfg, cfg.val_every
         self.name = f"hub:{cfg.name}" + (f"/{cfg.config}" if cfg.config else "")
         self._datasets = datasets
 
-    def _load(self, split: str):
+    def load(self, split: str):
         try:
             return self._datasets.load_dataset(
                 self.cfg.name, self.cfg.config or None, split=split, streaming=True
@@ -213,43 +552,37 @@ class HubCorpus:
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ConfigError(f"cannot open dataset {self.cfg.name!r} split {split!r}: {msg}") from None
 
-    def _texts(self, ds, skip: int = 0) -> Iterator[str]:
+    def row_text(self, row: dict[str, Any]) -> str:
         field = self.cfg.text_field
-        for i, row in enumerate(ds):
-            if i < skip:
-                continue
-            if field not in row:
-                raise ConfigError(f"{self.name}: rows have no field {field!r} (set data.text_field)")
-            yield row[field]
+        if field not in row:
+            raise ConfigError(f"{self.name}: rows have no field {field!r} (set data.text_field)")
+        if not isinstance(row[field], str):
+            raise ConfigError(f"{self.name}: field {field!r} is not a string")
+        return row[field]
 
-    def iter_train(self, start: int) -> Iterator[str]:
-        every = self.cfg.val_every
-        for i, text in enumerate(self._texts(self._load(self.cfg.split)), 0):
-            if i < start:
-                continue
-            if not self.cfg.val_split and i % every == every - 1:
-                yield ""  # held out: keeps the document index aligned, skipped by the stream
-                continue
-            yield text
+    def is_train(self, text: str) -> bool:
+        return bool(text.strip()) and (bool(self.cfg.val_split) or not held_out(text, self.every))
 
     def iter_val(self) -> Iterator[str]:
-        if self.cfg.val_split:
-            yield from self._texts(self._load(self.cfg.val_split))
-            return
-        every = self.cfg.val_every
-        for i, text in enumerate(self._texts(self._load(self.cfg.split))):
-            if i % every == every - 1:
+        """The validation split in its file order, or the training split's `held_out` documents."""
+        split = self.cfg.val_split or self.cfg.split
+        for row in self.load(split):
+            text = self.row_text(row)
+            if text.strip() and (self.cfg.val_split or held_out(text, self.every)):
                 yield text
+
+    def reader(self, rank: int, world: int, seed: int, doc_buffer: int) -> DocReader:
+        return DocReader(_HubDocs(self, rank, world, seed), doc_buffer, seed, rank)
 
     def fingerprint(self) -> str:
         return hashlib.sha256(self.name.encode()).hexdigest()[:16]
 
 
-def load_corpus(cfg: DataConfig) -> Corpus | HubCorpus:
+def load_corpus(cfg: DataConfig) -> Corpus | ShardedFiles | HubCorpus:
     if cfg.source == "builtin":
         return Corpus(*_split(builtin_documents(), cfg.val_every), "builtin")
     if cfg.source == "files":
-        return Corpus(*_split(file_documents(cfg.path, cfg.text_field), cfg.val_every), f"files:{cfg.path}")
+        return ShardedFiles(cfg)
     return HubCorpus(cfg)
 
 
@@ -302,12 +635,15 @@ def train_bpe(docs: list[str], vocab_size: int, out: Path) -> None:
     os.replace(tmp, out)
 
 
-def load_tokenizer(cfg: DataConfig, corpus: Corpus | HubCorpus) -> Tokenizer:
-    """`builtin-bpe` (trained on the training documents, cached by corpus hash) or any HF name/path."""
+def load_tokenizer(cfg: DataConfig, corpus: Corpus | ShardedFiles | HubCorpus) -> Tokenizer:
+    """`builtin-bpe` (trained on the training documents, or on local shards' first
+    `data.bpe_sample_mb` MB, cached by a hash of that text) or any HF name/path."""
     if cfg.tokenizer == "builtin-bpe":
-        if isinstance(corpus, HubCorpus):
+        sample = getattr(corpus, "tokenizer_sample", None)  # streamed local files: a bounded sample
+        if corpus.streaming and sample is None:
             raise ConfigError(
-                "data.tokenizer=builtin-bpe needs an in-memory corpus; use a HF tokenizer for hub data"
+                "data.tokenizer=builtin-bpe needs an in-memory corpus or local files; "
+                "use a HF tokenizer for hub data"
             )
         from tokenizers import Tokenizer as HFTokenizer
 
@@ -316,7 +652,7 @@ def load_tokenizer(cfg: DataConfig, corpus: Corpus | HubCorpus) -> Tokenizer:
             log.info(
                 "training a %d-token byte-level BPE on %s (cached at %s)", cfg.vocab_size, corpus.name, path
             )
-            train_bpe(corpus.train, cfg.vocab_size, path)
+            train_bpe(sample() if sample else corpus.train, cfg.vocab_size, path)
         tok = HFTokenizer.from_file(str(path))
         eos, pad = tok.token_to_id(EOS_TOKEN), tok.token_to_id(PAD_TOKEN)
 
@@ -351,8 +687,10 @@ class TokenStream:
 
     pack: documents joined with EOS and cut into rows (every slot a target).
     truncate: one document per row, cut at seq_len, right-padded; pad labels are ignored.
-    Documents come in a seeded permutation per epoch (in-memory corpora), in stream order for hub
-    data; the rows cut from them in that order are the *source rows*.
+    Documents come in a seeded permutation per epoch (in-memory corpora), or, for a streamed
+    corpus with a `reader` (local shards, hub), from this rank's `DocReader` (its share of the
+    documents, shards in a seeded order, a seeded buffer of `doc_buffer` documents); the rows cut
+    from them in that order are the *source rows*.
 
     Row mixing. Consecutive source rows come from one document (in pack mode a standard-library
     module spans tens of rows), so a batch of consecutive rows holds one to three documents. With
@@ -365,7 +703,8 @@ class TokenStream:
 
     `state_dict()` is the exact position: the epoch, the document cursor, the pending tokens, and
     with a buffer its rows and the draw counter, P x (seq_len + 1) x 4 bytes (int32 token ids and
-    lengths): 2,113,536 bytes at the defaults (P = 4096, seq_len = 128).
+    lengths): 2,113,536 bytes at the defaults (P = 4096, seq_len = 128); with a reader, its state
+    too (`DocReader`: a shard position and the buffered texts, about 2 MB for 1000 C4 documents).
 
     `track_docs` (tests, debugging) records each row's document: `last_docs` holds, after every
     `next_rows`, the document of each row (in pack mode the one that supplies most of its
@@ -383,6 +722,9 @@ class TokenStream:
         chunk: int = 32,
         shuffle_buffer: int = 0,
         track_docs: bool = False,
+        rank: int = 0,
+        world: int = 1,
+        doc_buffer: int = 0,
     ):
         self.corpus, self.tok, self.seq_len, self.mode, self.seed, self.chunk = (
             corpus,
@@ -405,6 +747,14 @@ class TokenStream:
         self.last_docs: torch.Tensor | None = None
         self._order: list[int] | None = None
         self._hub_iter: Iterator[tuple[int, str]] | None = None
+        make_reader = getattr(corpus, "reader", None)
+        self.reader: DocReader | None = make_reader(rank, world, seed, doc_buffer) if make_reader else None
+
+    @property
+    def per_rank(self) -> bool:
+        """Each rank reads its own documents (a streamed corpus with a reader): `Batches` then
+        draws each rank's rows from its own stream."""
+        return self.reader is not None
 
     # -- position ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -420,6 +770,7 @@ class TokenStream:
             "drawn": self.drawn,
             "pool_ids": empty if self.pool_ids is None else self.pool_ids.clone(),
             "pool_lengths": empty[:, 0] if self.pool_lengths is None else self.pool_lengths.clone(),
+            **({"reader": self.reader.state_dict()} if self.reader is not None else {}),
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -431,6 +782,10 @@ class TokenStream:
             self.pending.append(flat[i : i + n])
             i += n
         self._order, self._hub_iter = None, None
+        if self.reader is not None:
+            if "reader" not in sd:
+                raise ConfigError("the checkpoint's data position has no document-reader state (another data.source)")
+            self.reader.load_state_dict(sd["reader"])
         # Checkpoints from before the shuffle buffer hold no pool: it fills from the stream position.
         self.drawn = int(sd.get("drawn", 0))
         pool = sd.get("pool_ids")
@@ -452,12 +807,16 @@ class TokenStream:
             snap[k] = list(snap[k])
         for k in ("pool_ids", "pool_lengths"):
             snap[k] = None if snap[k] is None else snap[k].clone()
+        if self.reader is not None:
+            snap["reader"] = self.reader.snapshot()
         return snap
 
     def restore(self, snap: dict[str, Any]) -> None:
         hub_stale = self.corpus.streaming and (snap["epoch"], snap["cursor"]) != (self.epoch, self.cursor)
         for k in _STREAM_FIELDS:
             setattr(self, k, snap[k])
+        if self.reader is not None:
+            self.reader.restore(snap["reader"])
         if hub_stale:
             self._hub_iter = None
 
@@ -470,6 +829,8 @@ class TokenStream:
 
     def _next_docs(self) -> list[tuple[int, str]]:
         """The next chunk of (document index, text), advancing the cursor (wrapping epochs)."""
+        if self.reader is not None:
+            return [self.reader.next_doc() for _ in range(self.chunk)]
         if self.corpus.streaming:
             if self._hub_iter is None:
                 self._hub_iter = enumerate(self.corpus.iter_train(self.cursor), self.cursor)
@@ -606,10 +967,16 @@ def count_targets(labels: torch.Tensor) -> int:
 
 
 class Batches:
-    """Global optimizer-step batches from a TokenStream, sliced for one rank.
+    """Optimizer-step batches for one rank.
 
-    The step's global rows are drawn in one call (through the shuffle buffer, if any) whatever
-    the number of processes, then sliced: the rows of a step do not depend on the world size."""
+    Global draw (in-memory corpora): the step's global rows are drawn in one call (through the
+    shuffle buffer, if any) whatever the number of processes, then sliced: the rows of a step do
+    not depend on the world size. Per-rank draw (`TokenStream.per_rank`: streamed corpora, each
+    rank reading its own documents, as the benchmark's ``split_dataset_by_node``): each rank draws
+    its own K x B rows, micro-step k taking rows [k B, (k + 1) B), so a step's rows depend on the
+    world size; the step's global target count is then the sum over ranks, one all-reduce of two
+    numbers (`all_reduce_sum`, which also carries an out-of-vocabulary flag so that every rank
+    raises together)."""
 
     def __init__(
         self,
@@ -619,22 +986,32 @@ class Batches:
         rank: int = 0,
         world: int = 1,
         vocab_size: int | None = None,
+        all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
         self.stream, self.B, self.K, self.rank, self.world = stream, batch_size, grad_accum, rank, world
-        self.vocab_size = vocab_size
+        self.vocab_size, self.all_reduce_sum = vocab_size, all_reduce_sum
+        if stream.per_rank and world > 1 and all_reduce_sum is None:
+            raise ValueError("per-rank batches over several processes need all_reduce_sum")
 
     def next_step(self) -> tuple[list[dict[str, torch.Tensor]], int]:
         """This rank's micro-batches for one optimizer step, and the step's global target count."""
-        B, W = self.B, self.world
-        rows = self.stream.next_rows(self.K * W * B)
-        if self.vocab_size is not None and int(rows["input_ids"].max()) >= self.vocab_size:
-            raise ConfigError(
-                f"token id {int(rows['input_ids'].max())} is beyond the model's vocabulary ({self.vocab_size})"
-            )
+        B, K = self.B, self.K
+        local = self.stream.per_rank
+        W, r = (1, 0) if local else (self.world, self.rank)
+        rows = self.stream.next_rows(K * W * B)
+        top = int(rows["input_ids"].max())
+        bad = self.vocab_size is not None and top >= self.vocab_size
         total = count_targets(rows["labels"])
+        if local and self.world > 1:
+            summed = self.all_reduce_sum(torch.tensor([total, int(bad)], dtype=torch.int64))
+            total, bad_anywhere = (int(v) for v in summed.cpu())
+            if bad_anywhere and not bad:
+                raise ConfigError(f"a token id beyond the model's vocabulary ({self.vocab_size}) on another rank")
+        if bad:
+            raise ConfigError(f"token id {top} is beyond the model's vocabulary ({self.vocab_size})")
         micro = []
-        for k in range(self.K):
-            lo = (k * W + self.rank) * B
+        for k in range(K):
+            lo = (k * W + r) * B
             micro.append({key: v[lo : lo + B] for key, v in rows.items()})
         return micro, total
 

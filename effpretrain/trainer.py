@@ -119,9 +119,19 @@ class Trainer:
             cfg.data.mode,
             cfg.data.shuffle_seed,
             shuffle_buffer=cfg.data.shuffle_buffer,
+            rank=self.rank,
+            world=self.world,
+            doc_buffer=cfg.data.doc_buffer,
         )
         self.batches = data_mod.Batches(
-            self.stream, t.batch_size, t.grad_accum, self.rank, self.world, vocab_size=self.tok.vocab_size
+            self.stream,
+            t.batch_size,
+            t.grad_accum,
+            self.rank,
+            self.world,
+            vocab_size=self.tok.vocab_size,
+            # Streamed sources: each rank draws its own rows; one all-reduce sums the target counts.
+            all_reduce_sum=lambda v: self.acc.reduce(v.to(self.acc.device), reduction="sum"),
         )
         # Read once: every evaluation runs on these rows, the same for any number of processes.
         self.val = data_mod.validation_set(
@@ -415,7 +425,7 @@ class Trainer:
             "step": p.step,
             "tokens": p.tokens,
             "skipped": p.skipped,
-            "data": self.stream.state_dict(),
+            "data": self._data_state(),
             "scheduler": self.sched.state_dict(),
             "rng_cpu": torch.get_rng_state(),
             "world_size": self.world,
@@ -425,6 +435,20 @@ class Trainer:
         if torch.cuda.is_available():
             st["rng_cuda"] = torch.cuda.get_rng_state()
         return st
+
+    def _data_state(self) -> dict[str, Any]:
+        """The stream position; a per-rank stream's is every rank's, gathered (the list
+        `ranks`, indexed by rank), each restored to its own rank."""
+        state = self.stream.state_dict()
+        if not self.stream.per_rank:
+            return state
+        if self.world == 1:
+            return {"ranks": [state]}
+        import torch.distributed as dist
+
+        states: list[Any] = [None] * self.world
+        dist.all_gather_object(states, state)
+        return {"ranks": states}
 
     def save(self) -> Path | None:
         self._saved_step = self.progress.step
@@ -520,7 +544,7 @@ class Trainer:
                     f"checkpoint {path}: optimizer state does not match ({e})".splitlines()[0]
                 ) from None
         self.sched.load_state_dict(tr["scheduler"])
-        self.stream.load_state_dict(tr["data"])
+        self._load_data_state(tr["data"], path)
         torch.set_rng_state(tr["rng_cpu"])
         if "rng_cuda" in tr and torch.cuda.is_available():
             torch.cuda.set_rng_state(tr["rng_cuda"])
@@ -529,6 +553,25 @@ class Trainer:
         )
         self._saved_step = self.progress.step  # this step's checkpoint exists
         log.info("resumed from %s at step %d", path, self.progress.step)
+
+
+    def _load_data_state(self, saved: dict[str, Any], path: Path) -> None:
+        """This rank's stream position (a per-rank stream's from the gathered `ranks`)."""
+        if self.stream.per_rank != ("ranks" in saved):
+            raise ConfigError(
+                f"checkpoint {path}: its data position is "
+                f"{'per rank' if 'ranks' in saved else 'global'} but this run's source reads "
+                f"{'per rank' if self.stream.per_rank else 'globally'}; resume with the same data.source"
+            )
+        if "ranks" not in saved:
+            self.stream.load_state_dict(saved)
+            return
+        if len(saved["ranks"]) != self.world:  # each rank's documents depend on the world size
+            raise ConfigError(
+                f"checkpoint {path} holds the data positions of {len(saved['ranks'])} ranks, this run "
+                f"has {self.world}; a streamed source resumes with the same number of processes"
+            )
+        self.stream.load_state_dict(saved["ranks"][self.rank])
 
 
 def _check_writable_dir(out: Path) -> None:
