@@ -117,10 +117,13 @@ def list_shards(spec: str, key: str = "data.path") -> list[Path]:
         raise ConfigError(f"{key} not found: {spec}")
     if p.is_dir():
         files = sorted(
-            (q for q in p.rglob("*") if q.is_file() and shard_kind(q)), key=lambda q: q.relative_to(p).as_posix()
+            (q for q in p.rglob("*") if q.is_file() and shard_kind(q)),
+            key=lambda q: q.relative_to(p).as_posix(),
         )
         if not files:
-            raise ConfigError(f"{key} {spec}: no .txt, .jsonl or .parquet files in this folder ({_KINDS_TEXT})")
+            raise ConfigError(
+                f"{key} {spec}: no .txt, .jsonl or .parquet files in this folder ({_KINDS_TEXT})"
+            )
         return files
     if shard_kind(p) is None:
         raise ConfigError(f"{key} {spec}: unsupported file type {p.suffix!r} (use {_KINDS_TEXT})")
@@ -372,7 +375,11 @@ class _LocalShardDocs:
         return {"epoch": self.epoch, "shard_pos": self.shard_pos, "in_shard": self.in_shard}
 
     def load_state_dict(self, sd: dict[str, int]) -> None:
-        self.epoch, self.shard_pos, self.in_shard = int(sd["epoch"]), int(sd["shard_pos"]), int(sd["in_shard"])
+        self.epoch, self.shard_pos, self.in_shard = (
+            int(sd["epoch"]),
+            int(sd["shard_pos"]),
+            int(sd["in_shard"]),
+        )
         self._it, self._found = None, True
 
     snapshot = state_dict
@@ -449,7 +456,9 @@ class Corpus:
 
     def __init__(self, train: list[str], val: list[str], name: str):
         if not train:
-            raise ConfigError(f"{name}: too few documents: none left for training after holding out validation")
+            raise ConfigError(
+                f"{name}: too few documents: none left for training after holding out validation"
+            )
         if not val:
             raise ConfigError(f"{name}: too few documents to hold out a validation split")
         self.train, self.val, self.name = train, val, name
@@ -784,7 +793,9 @@ class TokenStream:
         self._order, self._hub_iter = None, None
         if self.reader is not None:
             if "reader" not in sd:
-                raise ConfigError("the checkpoint's data position has no document-reader state (another data.source)")
+                raise ConfigError(
+                    "the checkpoint's data position has no document-reader state (another data.source)"
+                )
             self.reader.load_state_dict(sd["reader"])
         # Checkpoints from before the shuffle buffer hold no pool: it fills from the stream position.
         self.drawn = int(sd.get("drawn", 0))
@@ -1006,7 +1017,9 @@ class Batches:
             summed = self.all_reduce_sum(torch.tensor([total, int(bad)], dtype=torch.int64))
             total, bad_anywhere = (int(v) for v in summed.cpu())
             if bad_anywhere and not bad:
-                raise ConfigError(f"a token id beyond the model's vocabulary ({self.vocab_size}) on another rank")
+                raise ConfigError(
+                    f"a token id beyond the model's vocabulary ({self.vocab_size}) on another rank"
+                )
         if bad:
             raise ConfigError(f"token id {top} is beyond the model's vocabulary ({self.vocab_size})")
         micro = []

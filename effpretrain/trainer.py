@@ -554,7 +554,6 @@ class Trainer:
         self._saved_step = self.progress.step  # this step's checkpoint exists
         log.info("resumed from %s at step %d", path, self.progress.step)
 
-
     def _load_data_state(self, saved: dict[str, Any], path: Path) -> None:
         """This rank's stream position (a per-rank stream's from the gathered `ranks`)."""
         if self.stream.per_rank != ("ranks" in saved):
