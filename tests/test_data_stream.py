@@ -8,6 +8,7 @@ import io
 import json
 import random
 import shutil
+import textwrap
 import time
 from pathlib import Path
 
@@ -56,6 +57,12 @@ def stream(corpus, seed=0, rank=0, world=1, doc_buffer=1000, seq_len=64, shuffle
         world=world,
         doc_buffer=doc_buffer,
     )
+
+
+def final_weights(run: Path, step: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(run / "checkpoints" / f"step-{step}" / "model.safetensors"))
 
 
 def _saved(s: data.TokenStream) -> bytes:
@@ -317,8 +324,6 @@ def test_hub_path_streams_per_rank_and_resumes_exactly(tmp_path):
 def test_trainer_resume_on_a_files_source_is_exact(tmp_path):
     """A run on streamed local shards, resumed from its step-6 checkpoint, ends with the weights
     of the uninterrupted run (the reader's position travels in trainer.pt)."""
-    from safetensors.torch import load_file
-
     from effpretrain.config import load_config
     from effpretrain.trainer import train
 
@@ -345,10 +350,69 @@ def test_trainer_resume_on_a_files_source_is_exact(tmp_path):
     shutil.copytree(straight / "checkpoints" / "step-6", resumed / "checkpoints" / "step-6")
     train(load_config(recipe, over), resumed, resume="auto")
 
-    def weights(run):
-        return load_file(str(run / "checkpoints" / "step-12" / "model.safetensors"))
-
-    a, b = weights(straight), weights(resumed)
+    a, b = final_weights(straight, 12), final_weights(resumed, 12)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     saved = torch.load(straight / "checkpoints" / "step-6" / "trainer.pt", weights_only=True)["data"]
     assert len(saved["ranks"]) == 1 and saved["ranks"][0]["reader"]["source"]["epoch"] == 0
+
+
+TWO_PROCESS_WORKER = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from effpretrain.config import load_config
+    from effpretrain.trainer import train
+
+    root, out, mode, over = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4:]
+    if mode == "one":
+        sys.exit(0)  # only the 2-process runs are compared here
+    recipe = root / "recipes" / "tiny" / "adamw.yaml"
+    train(load_config(recipe, over), out / "straight")
+    train(load_config(recipe, over), out / "split", resume=str(out / "straight" / "checkpoints" / "step-4"))
+    """
+)
+
+
+def test_two_processes_read_their_own_shards_and_resume_exactly(tmp_path):
+    """torchrun, 2 CPU processes on a files source: each rank's buffered documents come from its
+    own shards (i % 2 == rank), the checkpoint holds both ranks' positions, a resume from it
+    ends with the uninterrupted run's weights, and a 1-process resume of it is refused."""
+    from distributed_helpers import run_worker_pair
+
+    from effpretrain.config import load_config
+    from effpretrain.trainer import train
+
+    write_shards(tmp_path / "shards", 6, 200)
+    over = [
+        "data.source=files",
+        f"data.path={tmp_path / 'shards'}",
+        "data.vocab_size=300",
+        "data.seq_len=32",
+        "data.doc_buffer=40",
+        "data.bpe_sample_mb=1",
+        "train.batch_size=2",
+        "train.max_steps=8",
+        "train.save_every=4",
+        "train.keep_checkpoints=3",
+        "train.eval_tokens=128",
+        "train.eval_every=8",
+        "train.plot=false",
+    ]
+    out = tmp_path / "runs"
+    out.mkdir()
+    run_worker_pair(TWO_PROCESS_WORKER, out, over)
+    step8 = [final_weights(out / run, 8) for run in ("straight", "split")]
+    assert all(torch.equal(step8[0][k], step8[1][k]) for k in step8[0])
+    saved = torch.load(out / "straight" / "checkpoints" / "step-4" / "trainer.pt", weights_only=True)
+    ranks = saved["data"]["ranks"]
+    assert len(ranks) == 2 and saved["world_size"] == 2
+    for r, state in enumerate(ranks):
+        shards = {i >> 32 for i in state["reader"]["ids"].tolist()}
+        assert shards and all(s % 2 == r for s in shards), (r, shards)
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "tiny" / "adamw.yaml"
+    with pytest.raises(ConfigError, match="written by 2 processes"):
+        train(
+            load_config(recipe, over),
+            tmp_path / "one",
+            resume=str(out / "straight" / "checkpoints" / "step-4"),
+        )
