@@ -262,6 +262,9 @@ class DataConfig:
     doc_buffer: NonNegativeInt = 1000
     """`files`, `hub`: documents in the seeded shuffle buffer each rank reads through (1000:
     `datasets`' `shuffle` default, which the benchmark uses); 0: shard order."""
+    prefetch: NonNegativeInt = 8
+    """`files`, `hub`: chunks of 32 documents read and tokenised ahead on a background thread,
+    off the training thread (the batches are bitwise the same); 0: on the training thread."""
     bpe_sample_mb: PositiveInt = 64
     """`files` with `data.tokenizer=builtin-bpe`: the BPE trains on the first this many MB of
     training text (sorted shard order), not on the whole corpus."""

@@ -30,8 +30,10 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import random
 import sysconfig
+import threading
 import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -298,12 +300,14 @@ class DocReader:
         self.drawn += 1
         return out
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, snap: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The position (or that of `snap`, a `snapshot()`): tensors, ints and strings only."""
+        snap = self.snapshot() if snap is None else snap
         return {
-            "source": self.source.state_dict(),
-            "drawn": self.drawn,
-            "ids": torch.tensor([i for i, _ in self.buffer], dtype=torch.int64),
-            "texts": [t for _, t in self.buffer],
+            "source": dict(snap["source"]),
+            "drawn": snap["drawn"],
+            "ids": torch.tensor([i for i, _ in snap["buffer"]], dtype=torch.int64),
+            "texts": [t for _, t in snap["buffer"]],
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -317,6 +321,73 @@ class DocReader:
     def restore(self, snap: dict[str, Any]) -> None:
         self.source.restore(snap["source"])
         self.drawn, self.buffer = snap["drawn"], list(snap["buffer"])
+
+
+class Prefetcher:
+    """Reads and tokenises a `DocReader`'s next chunks on a background thread, `depth` chunks
+    ahead of the training thread, in the reader's own order: the consumer gets the chunks a
+    single-threaded loop would read, so the batches are bitwise the same.
+
+    The reader runs ahead of what has been consumed; every chunk carries the reader's snapshot
+    after it, so `snapshot()` is the position of the last chunk consumed, and `stop()` puts the
+    reader back there (the chunks read ahead are read again after a restore). An error in the
+    thread (bad data) is raised where the consumer reaches that chunk."""
+
+    def __init__(
+        self, reader: DocReader, encode: Callable[[list[Any]], list[list[int]]], chunk: int, depth: int
+    ):
+        self.reader, self.encode, self.chunk, self.depth = reader, encode, chunk, depth
+        self._thread: threading.Thread | None = None
+        self._pos: dict[str, Any] | None = None  # the reader's snapshot after the last consumed chunk
+
+    def _run(self, out: queue.Queue, stop: threading.Event) -> None:
+        try:
+            while not stop.is_set():
+                docs = [self.reader.next_doc() for _ in range(self.chunk)]
+                self._put(out, stop, (docs, self.encode(docs), self.reader.snapshot()))
+        except BaseException as e:  # handed to the consumer, raised where it would have been
+            self._put(out, stop, e)
+
+    @staticmethod
+    def _put(out: queue.Queue, stop: threading.Event, item: Any) -> None:
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.05)
+                return
+            except queue.Full:
+                continue
+
+    def next_chunk(self) -> tuple[list[tuple[int, Any]], list[list[int]]]:
+        if self._thread is None:
+            self._pos = self.reader.snapshot()
+            self._queue: queue.Queue = queue.Queue(maxsize=self.depth)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(
+                target=self._run, args=(self._queue, self._stop), name="effpretrain-tokenize", daemon=True
+            )
+            self._thread.start()
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            self.stop()
+            raise item
+        docs, encoded, self._pos = item
+        return docs, encoded
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.reader.snapshot() if self._thread is None else self._pos
+
+    def stop(self) -> None:
+        """Ends the thread and puts the reader back at the consumed position."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        self.reader.restore(self._pos)
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        self.stop()
+        self.reader.restore(snap)
 
 
 class _LocalShardDocs:
@@ -734,6 +805,7 @@ class TokenStream:
         rank: int = 0,
         world: int = 1,
         doc_buffer: int = 0,
+        prefetch: int = 0,
     ):
         self.corpus, self.tok, self.seq_len, self.mode, self.seed, self.chunk = (
             corpus,
@@ -758,6 +830,11 @@ class TokenStream:
         self._hub_iter: Iterator[tuple[int, str]] | None = None
         make_reader = getattr(corpus, "reader", None)
         self.reader: DocReader | None = make_reader(rank, world, seed, doc_buffer) if make_reader else None
+        self.prefetcher = (
+            Prefetcher(self.reader, self._encode, chunk, prefetch)
+            if self.reader is not None and prefetch
+            else None
+        )
 
     @property
     def per_rank(self) -> bool:
@@ -779,7 +856,9 @@ class TokenStream:
             "drawn": self.drawn,
             "pool_ids": empty if self.pool_ids is None else self.pool_ids.clone(),
             "pool_lengths": empty[:, 0] if self.pool_lengths is None else self.pool_lengths.clone(),
-            **({"reader": self.reader.state_dict()} if self.reader is not None else {}),
+            **(
+                {"reader": self.reader.state_dict(self._reader_snapshot())} if self.reader is not None else {}
+            ),
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -796,6 +875,8 @@ class TokenStream:
                 raise ConfigError(
                     "the checkpoint's data position has no document-reader state (another data.source)"
                 )
+            if self.prefetcher is not None:
+                self.prefetcher.stop()
             self.reader.load_state_dict(sd["reader"])
         # Checkpoints from before the shuffle buffer hold no pool: it fills from the stream position.
         self.drawn = int(sd.get("drawn", 0))
@@ -819,17 +900,23 @@ class TokenStream:
         for k in ("pool_ids", "pool_lengths"):
             snap[k] = None if snap[k] is None else snap[k].clone()
         if self.reader is not None:
-            snap["reader"] = self.reader.snapshot()
+            snap["reader"] = self._reader_snapshot()
         return snap
 
     def restore(self, snap: dict[str, Any]) -> None:
         hub_stale = self.corpus.streaming and (snap["epoch"], snap["cursor"]) != (self.epoch, self.cursor)
         for k in _STREAM_FIELDS:
             setattr(self, k, snap[k])
-        if self.reader is not None:
+        if self.prefetcher is not None:
+            self.prefetcher.restore(snap["reader"])
+        elif self.reader is not None:
             self.reader.restore(snap["reader"])
         if hub_stale:
             self._hub_iter = None
+
+    def _reader_snapshot(self) -> dict[str, Any]:
+        """The reader's position as consumed (a prefetching thread may have read further)."""
+        return self.prefetcher.snapshot() if self.prefetcher is not None else self.reader.snapshot()
 
     # -- documents -----------------------------------------------------------------------------
     def _epoch_order(self) -> list[int]:
@@ -862,11 +949,20 @@ class TokenStream:
         self.cursor += len(idx)
         return [(i, self.corpus.train[i]) for i in idx]
 
+    def _encode(self, docs: list[tuple[int, Any]]) -> list[list[int]]:
+        return self.tok.encode_batch([text for _, text in docs])
+
+    def _next_encoded(self) -> tuple[list[tuple[int, Any]], list[list[int]]]:
+        """The next chunk of documents and their token ids (read ahead by the prefetcher if any)."""
+        if self.prefetcher is not None:
+            return self.prefetcher.next_chunk()
+        docs = self._next_docs()
+        return docs, self._encode(docs) if docs else []
+
     def _refill(self) -> None:
         for _attempt in range(10_000):
-            docs = self._next_docs()
+            docs, encoded = self._next_encoded()
             if docs:
-                encoded = self.tok.encode_batch([text for _, text in docs])
                 for (doc, _), ids in zip(docs, encoded):
                     if self.mode == "pack":
                         self.buffer.extend(ids)

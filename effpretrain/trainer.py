@@ -122,6 +122,7 @@ class Trainer:
             rank=self.rank,
             world=self.world,
             doc_buffer=cfg.data.doc_buffer,
+            prefetch=cfg.data.prefetch,
         )
         self.batches = data_mod.Batches(
             self.stream,
