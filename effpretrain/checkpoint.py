@@ -7,7 +7,8 @@ A checkpoint is a folder ``checkpoints/step-N/`` holding:
 - or, for FSDP2 runs, instead of those two: ``dcp/``, the model's and optimizer's tensors written
   shard by shard by every rank with torch.distributed.checkpoint (effpretrain/fsdp.py), the
   optimizer's non-tensor part being kept in ``trainer.pt``;
-- ``trainer.pt``: step, tokens, data-stream position, scheduler state, RNG states, event counters;
+- ``trainer.pt``: step, tokens, data-stream position (for a streamed source every rank's, gathered
+  as ``data.ranks``), scheduler state, RNG states, event counters;
 - ``config.yaml``: the resolved config;
 - ``COMPLETE``: written last; a folder without it does not count.
 

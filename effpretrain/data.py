@@ -1,21 +1,27 @@
 """Corpus sources, tokenizers, and resumable batching.
 
-Three sources behind one interface (`Corpus`: train documents, held-out documents):
+Three sources:
 
-- ``builtin``: the Python standard library's own ``.py`` sources plus the pydoc topics text,
-  shipped with every interpreter (~12 MB), test folders excluded, sorted paths. No download.
-- ``files``: local ``.txt`` (split into paragraph documents), ``.jsonl`` (one document per line,
-  ``data.text_field``) or ``.parquet`` (one document per row); a file or a folder of them.
-- ``hub``: any HF dataset (name, config, split), streamed; ``data.name`` may also be a local
-  dataset folder. C4 (``allenai/c4``, ``en``) is the paper's.
+- ``builtin`` (`Corpus`, in memory): the Python standard library's own ``.py`` sources plus the
+  pydoc topics text, shipped with every interpreter (~12 MB), test folders excluded, sorted
+  paths. No download.
+- ``files`` (`ShardedFiles`, streamed): local shards, ``.txt`` (split into paragraph documents),
+  ``.jsonl`` / ``.jsonl.gz`` / ``.json.gz`` (one document per line, ``data.text_field``) or
+  ``.parquet`` (one document per row); a file, a folder or a glob of them.
+- ``hub`` (`HubCorpus`, streamed): any HF dataset (name, config, split); ``data.name`` may also be
+  a local dataset folder. C4 (``allenai/c4``, ``en``) is the paper's.
+
+A streamed source is read per rank through a `DocReader` (shards in a seeded order per epoch,
+each rank its own share, a seeded document buffer) whose position is O(1) to restore, and is
+optionally read and tokenised ahead on a background thread (`Prefetcher`).
 
 Batches are built from a deterministic token stream whose position (epoch, document cursor,
 pending tokens, and the rows of its shuffle buffer) is a small dict of ints and tensors saved in
 every checkpoint. Rows are drawn at random from a seeded buffer of ``data.shuffle_buffer`` rows
 (`TokenStream`), so a batch mixes documents instead of taking consecutive rows of one. A step
-draws ``grad_accum x world_size x batch_size`` rows at once; micro-step k of rank r takes rows
-``[(k W + r) B, (k W + r + 1) B)``, so 2 processes at batch B see exactly the rows that 1
-process sees at batch 2B.
+draws ``grad_accum x world_size x batch_size`` rows at once (in-memory corpora); micro-step k of
+rank r takes rows ``[(k W + r) B, (k W + r + 1) B)``, so 2 processes at batch B see exactly the
+rows that 1 process sees at batch 2B. A streamed corpus's rank draws its own rows (`Batches`).
 
 The validation set (`validation_set`) is the first `train.eval_tokens` target tokens of the
 held-out documents, read once, in their fixed order: the same rows for any batch size and any
@@ -483,7 +489,15 @@ class _HubDocs:
             if self._it is None:
                 self.ds.set_epoch(self.epoch)  # the shard order's seed is seed + epoch
                 if self._resume:
-                    self.ds.load_state_dict(json.loads(self._resume))
+                    # `datasets` warns that a shuffle buffer's contents are lost: its buffer holds
+                    # no document between reads here (size 1), so nothing is.
+                    quiet = logging.getLogger("datasets.iterable_dataset")
+                    level = quiet.level
+                    quiet.setLevel(logging.ERROR)
+                    try:
+                        self.ds.load_state_dict(json.loads(self._resume))
+                    finally:
+                        quiet.setLevel(level)
                 self._it, self._resume = iter(self.ds), None
                 self.opened += 1
             try:
