@@ -1096,8 +1096,8 @@ class Batches:
     rank reading its own documents, as the benchmark's ``split_dataset_by_node``): each rank draws
     its own K x B rows, micro-step k taking rows [k B, (k + 1) B), so a step's rows depend on the
     world size; the step's global target count is then the sum over ranks, one all-reduce of two
-    numbers (`all_reduce_sum`, which also carries an out-of-vocabulary flag so that every rank
-    raises together)."""
+    numbers (`all_reduce_sum`; the second counts ranks that stopped on bad data or an
+    out-of-vocabulary token, so that every rank raises instead of waiting for them)."""
 
     def __init__(
         self,
@@ -1119,19 +1119,26 @@ class Batches:
         B, K = self.B, self.K
         local = self.stream.per_rank
         W, r = (1, 0) if local else (self.world, self.rank)
-        rows = self.stream.next_rows(K * W * B)
-        top = int(rows["input_ids"].max())
-        bad = self.vocab_size is not None and top >= self.vocab_size
-        total = count_targets(rows["labels"])
+        try:
+            rows, error = self.stream.next_rows(K * W * B), None
+        except ConfigError as e:  # bad data on this rank: the others must not wait in the all-reduce
+            if not (local and self.world > 1):
+                raise
+            rows, error = None, e
+        top = int(rows["input_ids"].max()) if rows is not None else -1
+        if error is None and self.vocab_size is not None and top >= self.vocab_size:
+            error = ConfigError(f"token id {top} is beyond the model's vocabulary ({self.vocab_size})")
+        total = count_targets(rows["labels"]) if rows is not None else 0
         if local and self.world > 1:
-            summed = self.all_reduce_sum(torch.tensor([total, int(bad)], dtype=torch.int64))
-            total, bad_anywhere = (int(v) for v in summed.cpu())
-            if bad_anywhere and not bad:
-                raise ConfigError(
-                    f"a token id beyond the model's vocabulary ({self.vocab_size}) on another rank"
+            # One collective: the target count, and whether any rank stopped (all ranks raise).
+            summed = self.all_reduce_sum(torch.tensor([total, int(error is not None)], dtype=torch.int64))
+            total, failed = (int(v) for v in summed.cpu())
+            if failed and error is None:
+                error = ConfigError(
+                    f"{failed} other rank(s) stopped on bad data or tokens (their log says why)"
                 )
-        if bad:
-            raise ConfigError(f"token id {top} is beyond the model's vocabulary ({self.vocab_size})")
+        if error is not None:
+            raise error
         micro = []
         for k in range(K):
             lo = (k * W + r) * B

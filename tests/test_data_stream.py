@@ -172,6 +172,26 @@ def test_two_rank_streams_draw_their_own_rows_and_sum_the_target_count(tmp_path)
             rows = alone[k].next_rows(8)
             assert torch.equal(torch.cat([ms[0]["input_ids"], ms[1]["input_ids"]]), rows["input_ids"])
     assert all(c.tolist()[1] == 0 and c.tolist()[0] > 0 for c in counts)
+    # Bad data on one rank: it raises its own error, the other raises too instead of waiting.
+    (tmp_path / "part-00001.jsonl").write_text('{"text": "ok"}\n{"nope": 1}\n')
+    sums = [torch.tensor([0, 0]), torch.tensor([0, 0])]
+
+    def fake_reduce(t):  # rank 1 reads the bad shard; the two calls of a step see the summed flags
+        sums[0] += t
+        return torch.tensor([0, 1])
+
+    bad = [
+        data.Batches(
+            stream(files_corpus(tmp_path), rank=r, world=2, doc_buffer=0), 4, 1, r, 2, None, fake_reduce
+        )
+        for r in (0, 1)
+    ]
+    with pytest.raises(ConfigError, match=r"part-00001\.jsonl:2: no text field"):
+        for _ in range(100):
+            bad[1].next_step()
+    with pytest.raises(ConfigError, match="1 other rank"):
+        bad[0].next_step()
+    assert sums[0][1] >= 1
     with pytest.raises(ValueError, match="all_reduce_sum"):
         data.Batches(stream(corpus, rank=0, world=2), 4, 1, rank=0, world=2)
 
