@@ -222,11 +222,12 @@ class OptimConfig:
 class DataConfig:
     """Where tokens come from (builtin | files | hub) and how they become batches."""
 
-    source: Literal["builtin", "files", "hub"] = "builtin"
+    source: Literal["builtin", "files", "hub", "tokens"] = "builtin"
     """`builtin`: standard-library sources, no download; `files`: `data.path`; `hub`: a streamed
-    HF dataset `data.name`."""
+    HF dataset `data.name`; `tokens`: shards written by `effpretrain prepare` in `data.path`."""
     path: str = ""
-    """`files`: a .txt / .jsonl / .parquet file or a folder of them."""
+    """`files`: a .txt / .jsonl / .parquet file or a folder of them; `tokens`: the folder
+    `effpretrain prepare` wrote (its `--out`)."""
     name: str = ""
     """`hub`: dataset name, e.g. `allenai/c4`."""
     config: str = ""
@@ -434,9 +435,9 @@ def validate(cfg: RunConfig, source: str = "config") -> RunConfig:
         raise ConfigError(
             f"{source}: optim.extra.{k} would override {_EXTRA_SHADOWS[k]}; set that key instead"
         )
-    if cfg.data.source == "files" and not cfg.data.path:
-        raise ConfigError(f"{source}: data.path is required when data.source=files")
-    if cfg.data.source == "files" and not Path(cfg.data.path).expanduser().exists():
+    if cfg.data.source in ("files", "tokens") and not cfg.data.path:
+        raise ConfigError(f"{source}: data.path is required when data.source={cfg.data.source}")
+    if cfg.data.source in ("files", "tokens") and not Path(cfg.data.path).expanduser().exists():
         raise ConfigError(f"{source}: data.path not found: {cfg.data.path}")
     if cfg.data.source == "hub" and not cfg.data.name:
         raise ConfigError(f"{source}: data.name is required when data.source=hub")
