@@ -220,7 +220,7 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    """Where tokens come from (builtin | files | hub) and how they become batches."""
+    """Where tokens come from (builtin | files | hub | tokens) and how they become batches."""
 
     source: Literal["builtin", "files", "hub", "tokens"] = "builtin"
     """`builtin`: standard-library sources, no download; `files`: `data.path`; `hub`: a streamed
@@ -435,9 +435,9 @@ def validate(cfg: RunConfig, source: str = "config") -> RunConfig:
         raise ConfigError(
             f"{source}: optim.extra.{k} would override {_EXTRA_SHADOWS[k]}; set that key instead"
         )
-    if cfg.data.source in ("files", "tokens") and not cfg.data.path:
-        raise ConfigError(f"{source}: data.path is required when data.source={cfg.data.source}")
-    if cfg.data.source in ("files", "tokens") and not Path(cfg.data.path).expanduser().exists():
+    if cfg.data.source == "files" and not cfg.data.path:
+        raise ConfigError(f"{source}: data.path is required when data.source=files")
+    if cfg.data.source == "files" and not Path(cfg.data.path).expanduser().exists():
         raise ConfigError(f"{source}: data.path not found: {cfg.data.path}")
     if cfg.data.source == "hub" and not cfg.data.name:
         raise ConfigError(f"{source}: data.name is required when data.source=hub")

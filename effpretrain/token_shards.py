@@ -7,10 +7,12 @@ Users who train several methods on the same data tokenise it once (as nanoGPT an
 
 SOURCE is ``builtin`` (the built-in corpus), a ``.txt`` / ``.jsonl`` / ``.jsonl.gz`` /
 ``.parquet`` file, a folder of them, or a glob. Documents are read one at a time (never the whole
-corpus in memory) by the same rules as ``data.source=files`` (a ``.txt`` file is cut into
-paragraph documents; blank documents are dropped), and document i of the source (in sorted file
-order) is held out when ``i % val_every == val_every - 1``, the rule of the text sources: the
-held-out set is fixed when the shards are written, so it is the same for any number of processes.
+corpus in memory) by the rules of ``data.source=files`` (a ``.txt`` file is cut into paragraph
+documents; blank documents are dropped), in sorted file order, and held out by the text source's
+rule (`held_out_rule`): every ``val_every``-th document of ``builtin``, and for files the
+documents whose text hash is 0 mod ``val_every``. The held-out set is fixed when the shards are
+written: the same for any seed and any number of processes. The tokenizer is the run's
+(`data.load_tokenizer`): the built-in BPE is trained as a run on the text source would train it.
 
 Layout of DIR:
 
@@ -26,14 +28,15 @@ Layout of DIR:
   fingerprint), the dtype, the held-out rule, and per split its shards with their token and
   document counts.
 
-Reading (`TokenCorpus`): the shards are memory-mapped (``numpy.memmap``); documents come out as
-lists of ids without their EOS (the stream adds it back, as for text), so a run on the shards
-draws exactly the rows that the same documents in the same order give through the text path.
-Training order, epoch e, seed s = ``data.shuffle_seed``: the train shards in a permutation
-drawn from (s, e), and inside each shard its documents in a permutation drawn from (s, e, shard).
-The position is one integer, the number of documents read across epochs, c = e N + j (N train
-documents): seeking to it costs one pass over the shard sizes and one permutation of one shard,
-whatever c is.
+Reading (`TokenCorpus`): the shards are memory-mapped (``numpy.memmap``, one shard open at a
+time); documents come out as lists of ids without their EOS (the stream adds it back, as for
+text), so a run on the shards draws exactly the rows that the same documents in the same order
+give through the text path. Training order, epoch e, seed s = ``data.shuffle_seed``: the train
+shards in a permutation drawn from (s, e), and inside each shard its documents in a permutation
+drawn from (s, e, shard); position p = e N + j (N train documents) is place j of epoch e. A
+process reads positions 0, 1, 2, ...; rank r of W reads r, r + W, r + 2W, ... (its own documents,
+all of them once per epoch between the ranks). The position is one count, and seeking to it
+costs one permutation of the shard list and one of a shard, whatever the step.
 """
 
 from __future__ import annotations
@@ -252,16 +255,12 @@ def _clear_out(out: Path) -> None:
 
 def _run_tokenizer(source: str, cfg: DataConfig) -> tuple[data.Tokenizer, dict[str, Any], Path | None]:
     """The run's tokenizer for `cfg` (`data.load_tokenizer`), its manifest entry and, for the
-    built-in BPE, its file. The BPE is trained on the source's training documents and cached by
-    their hash, as a run on the text source does; that training holds the documents in memory
-    (the built-in BPE is meant for small corpora: use a HF tokenizer for large ones)."""
+    built-in BPE, its file: trained on the text source's training documents exactly as a run on
+    ``data.source=builtin`` / ``files`` with this `data.path` would train it (and cached alike)."""
     corpus = None
     if cfg.tokenizer == "builtin-bpe":
-        docs = list(iter_documents(source, cfg.text_field))
-        if not docs:
-            raise ConfigError(f"{source}: the corpus is empty (no non-blank documents)")
-        corpus = data.Corpus(*data._split(docs, cfg.val_every), source)
-        del docs
+        src = {"source": "builtin"} if source == "builtin" else {"source": "files", "path": source}
+        corpus = data.load_corpus(DataConfig(**{**cfg.__dict__, **src}))
     tok = data.load_tokenizer(cfg, corpus)
     entry = {
         "spec": cfg.tokenizer,
@@ -277,6 +276,28 @@ def _run_tokenizer(source: str, cfg: DataConfig) -> tuple[data.Tokenizer, dict[s
         entry.update(requested_vocab_size=cfg.vocab_size, bpe_corpus=fp, file=TOKENIZER_FILE)
         bpe_file = data.cache_dir() / "tokenizers" / f"bpe-{fp}-{cfg.vocab_size}.json"
     return tok, entry, bpe_file
+
+
+def held_out_by_hash(text: str, every: int) -> bool:
+    """The held-out rule of streamed text sources (issue 19's `data.held_out`): a document is
+    held out when the blake2b-64 hash of its text is 0 mod `every` (about one in `every`, the
+    same whatever the file order, seed or number of processes)."""
+    digest = hashlib.blake2b(text.encode("utf-8", "replace"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % every == 0
+
+
+def held_out_rule(source: str, every: int) -> tuple[str, Any]:
+    """(description, predicate(index, text)) of the held-out documents, the text source's rule:
+    `builtin` every `every`-th document, files by text hash."""
+    if source == "builtin":
+        return (
+            f"document i of the source (in order) is held out when i % {every} == {every - 1}",
+            lambda i, text: i % every == every - 1,
+        )
+    return (
+        f"a document is held out when blake2b-64(text, little-endian) % {every} == 0",
+        lambda i, text: held_out_by_hash(text, every),
+    )
 
 
 def _progress(docs: int, tokens: int, t0: float, final: bool = False) -> None:
@@ -322,14 +343,16 @@ def prepare(
     _clear_out(out)
     dtype = token_dtype(tok.vocab_size)
     writers = {s: _ShardWriter(out, s, dtype, tok.eos_id, shard_tokens) for s in ("train", "val")}
+    rule, is_val = held_out_rule(source, val_every)
     t0, last, index = time.perf_counter(), 0.0, 0
     chunk: list[str] = []
 
     def flush() -> None:
         nonlocal index
-        for ids in tok.encode_batch(chunk):
-            split = "val" if index % val_every == val_every - 1 else "train"
-            writers[split].add(list(ids))
+        if not chunk:
+            return  # HF tokenizers fail on an empty batch
+        for text, ids in zip(chunk, tok.encode_batch(chunk)):
+            writers["val" if is_val(index, text) else "train"].add(list(ids))
             index += 1
         chunk.clear()
 
@@ -347,7 +370,7 @@ def prepare(
         raise ConfigError(f"{source}: the corpus is empty (no non-blank documents)")
     if not writers["val"].documents:
         raise ConfigError(
-            f"{source}: too few documents ({index}) to hold out every {val_every}th (set --val-every)"
+            f"{source}: too few documents ({index}) to hold out one in {val_every} (set --val-every)"
         )
     if bpe_file is not None:
         tmp = out / f"{TOKENIZER_FILE}.tmp"
@@ -361,7 +384,7 @@ def prepare(
         "dtype": dtype.name,
         "eos_between_documents": True,
         "held_out": {
-            "rule": "document i of the source (in order) is held out when i % val_every == val_every - 1",
+            "rule": rule,
             "val_every": val_every,
         },
         "shard_tokens": shard_tokens,
@@ -430,11 +453,16 @@ def _permutation(n: int, *parts: int) -> np.ndarray:
 class TokenCorpus:
     """Documents (lists of token ids) from `effpretrain prepare` shards (`data.source=tokens`).
 
-    A streaming corpus (``streaming = True``): `iter_train(start)` is the endless training stream
-    from position `start` (documents read across epochs; module docstring), `iter_val()` the
-    held-out documents in source order. The run's tokenizer must be the one the shards were made
-    with: `data.tokenizer` (and `data.vocab_size` for the built-in BPE) must name it, and the
-    loaded tokenizer must encode the probe text alike (`tokenizer_fingerprint`).
+    A streaming corpus (``streaming = True``). Training documents sit at positions p = 0, 1, ...
+    across epochs: epoch e = p // N, place j = p % N in that epoch's order (module docstring).
+    `iter_train(start)` yields positions start, start + 1, ... (one endless stream: every epoch
+    reshuffled); `reader(rank, world, ...)` gives rank r of W positions r, r + W, r + 2W, ...:
+    each rank reads its own documents, together every document once per epoch, and its state is
+    one count. `iter_val()` yields the held-out documents in source order.
+
+    The run's tokenizer must be the one the shards were made with: `data.tokenizer` (and
+    `data.vocab_size` for the built-in BPE) must name it, and the loaded tokenizer must encode
+    the probe text alike (`tokenizer_fingerprint`).
     """
 
     streaming = True
@@ -493,43 +521,88 @@ class TokenCorpus:
         os.replace(tmp, dst)
 
     def fingerprint(self) -> str:
-        """The text corpus the built-in BPE was trained on (its tokenizer cache key), else the
+        """The built-in BPE's cache key (the hash of the text it was trained on), else the
         manifest's hash."""
         tok = self.manifest["tokenizer"]
         if "bpe_corpus" in tok:
             return tok["bpe_corpus"]
         return hashlib.sha256(json.dumps(self.manifest, sort_keys=True).encode()).hexdigest()[:16]
 
-    def _open(self, shard: dict[str, Any]) -> tuple[np.memmap, np.memmap]:
-        name = shard["name"]
+    def _open(self, split: str, k: int) -> tuple[np.memmap, np.memmap]:
+        name = self.manifest["splits"][split]["shards"][k]["name"]
         ids = np.memmap(self.root / f"{name}.bin", dtype=self.dtype, mode="r")
         offsets = np.memmap(self.root / f"{name}.idx", dtype=np.int64, mode="r")
         return ids, offsets
 
-    def _shard_docs(self, shard: dict[str, Any], order: np.ndarray | None, start: int) -> Iterator[list[int]]:
-        """The shard's documents (without EOS) from position `start` of `order` (None: in order)."""
-        ids, offsets = self._open(shard)
-        n = shard["documents"]
-        for j in range(start, n):
-            d = j if order is None else int(order[j])
-            yield ids[int(offsets[d]) : int(offsets[d + 1]) - 1].tolist()
+    def positions(
+        self, start: int, step: int = 1, seed: int | None = None
+    ) -> Iterator[tuple[int, list[int]]]:
+        """(document id, ids without EOS) at training positions start, start + step, ... (endless).
+
+        The document id is ``shard << 32 | index in the shard``. Seeking to `start` costs one
+        permutation of the shard sizes and one of the shard holding it, whatever `start` is."""
+        seed = self.seed if seed is None else seed
+        sizes = np.array([s["documents"] for s in self.train_shards], dtype=np.int64)
+        p, cached = int(start), (None, None)  # (epoch, shard order, cumulative ends), (epoch, shard, ...)
+        while True:
+            epoch, j = divmod(p, self.n_train)
+            if cached[0] is None or cached[0][0] != epoch:
+                order = _permutation(len(sizes), seed, epoch)
+                cached = ((epoch, order, np.cumsum(sizes[order])), None)
+            _, order, ends = cached[0]
+            i = int(np.searchsorted(ends, j, side="right"))
+            k = int(order[i])
+            if cached[1] is None or cached[1][:2] != (epoch, k):
+                ids, offsets = self._open("train", k)
+                cached = (cached[0], (epoch, k, _permutation(int(sizes[k]), seed, epoch, k), ids, offsets))
+            _, _, doc_order, ids, offsets = cached[1]
+            d = int(doc_order[j - (int(ends[i - 1]) if i else 0)])
+            yield (k << 32) | d, ids[int(offsets[d]) : int(offsets[d + 1]) - 1].tolist()
+            p += step
 
     def iter_train(self, start: int = 0) -> Iterator[list[int]]:
         """Training documents from position `start` (documents read across epochs), endless."""
-        epoch, j = divmod(int(start), self.n_train)
-        while True:
-            shard_order = _permutation(len(self.train_shards), self.seed, epoch)
-            for k in shard_order.tolist():
-                shard = self.train_shards[k]
-                if j >= shard["documents"]:
-                    j -= shard["documents"]
-                    continue
-                doc_order = _permutation(shard["documents"], self.seed, epoch, k)
-                yield from self._shard_docs(shard, doc_order, j)
-                j = 0
-            epoch += 1
+        for _, doc in self.positions(start):
+            yield doc
+
+    def reader(self, rank: int, world: int, seed: int, doc_buffer: int = 0) -> TokenReader:
+        """Rank `rank` of `world`'s documents (class docstring). `doc_buffer` is not used: the
+        documents are already in a seeded order (a permutation inside each shard)."""
+        return TokenReader(self, rank, world, seed)
 
     def iter_val(self) -> Iterator[list[int]]:
         """The held-out documents in source order."""
-        for shard in self.val_shards:
-            yield from self._shard_docs(shard, None, 0)
+        for k, shard in enumerate(self.val_shards):
+            ids, offsets = self._open("val", k)
+            for d in range(shard["documents"]):
+                yield ids[int(offsets[d]) : int(offsets[d + 1]) - 1].tolist()
+
+
+class TokenReader:
+    """One rank's training documents of a `TokenCorpus`: positions r, r + W, r + 2W, ...
+
+    Its state is the count of documents it has read, c (next position c W + r): restoring it
+    costs what opening the stream costs. `next_doc()` gives (document id, ids without EOS)."""
+
+    def __init__(self, corpus: TokenCorpus, rank: int, world: int, seed: int):
+        self.corpus, self.rank, self.world, self.seed = corpus, rank, world, seed
+        self.count = 0
+        self._it: Iterator[tuple[int, list[int]]] | None = None
+
+    def next_doc(self) -> tuple[int, list[int]]:
+        if self._it is None:
+            self._it = self.corpus.positions(self.count * self.world + self.rank, self.world, self.seed)
+        self.count += 1
+        return next(self._it)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"count": self.count}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.count, self._it = int(sd["count"]), None
+
+    snapshot = state_dict
+
+    def restore(self, snap: dict[str, int]) -> None:
+        if snap != self.state_dict():
+            self.load_state_dict(snap)

@@ -69,6 +69,21 @@ def prepared(tmp_path_factory):
     }
 
 
+@pytest.fixture(scope="module")
+def hf_tok(prepared, tmp_path_factory):
+    """The shards' BPE as a HuggingFace tokenizer folder (a tokenizer given by path)."""
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp("hf_tok")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_file=str(prepared["out"] / "tokenizer.json"),
+        eos_token=data.EOS_TOKEN,
+        pad_token=data.PAD_TOKEN,
+    )
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
 class _TextStream:
     """A streaming text corpus that yields given documents in a given order (the reference)."""
 
@@ -88,6 +103,11 @@ class _TextStream:
         return "reference"
 
 
+def _held(texts: list[str]) -> list[int]:
+    """The held-out documents of a files source: text hash 0 mod VAL_EVERY (data.source=files')."""
+    return [i for i, t in enumerate(texts) if token_shards.held_out_by_hash(t, VAL_EVERY)]
+
+
 def _train_order(p, n_docs: int) -> list[int]:
     """The source indices of the first `n_docs` training documents the shards yield."""
     encoded = p["tok"].encode_batch(p["texts"])
@@ -98,12 +118,13 @@ def _train_order(p, n_docs: int) -> list[int]:
 def test_prepare_writes_shards_manifest_and_held_out_rule(prepared):
     m, out, texts, tok = prepared["manifest"], prepared["out"], prepared["texts"], prepared["tok"]
     train, val = m["splits"]["train"], m["splits"]["val"]
-    assert val["documents"] == len(texts) // VAL_EVERY and train["documents"] + val["documents"] == len(texts)
+    assert val["documents"] == len(_held(texts)) and train["documents"] + val["documents"] == len(texts)
     assert (
         len(train["shards"]) > 2 and m["dtype"] == "uint16" and m["tokenizer"]["vocab_size"] == tok.vocab_size
     )
     encoded = tok.encode_batch(texts)
-    held = [i for i in range(len(texts)) if i % VAL_EVERY == VAL_EVERY - 1]
+    held = _held(texts)
+    assert 0 < len(held) < len(texts) // 2
     assert train["tokens"] + val["tokens"] == sum(len(e) + 1 for e in encoded)
     # The flat arrays are the documents' ids, each followed by EOS, offsets at the boundaries.
     flat = np.concatenate([np.fromfile(out / f"{s['name']}.bin", dtype=np.uint16) for s in val["shards"]])
@@ -117,7 +138,7 @@ def test_prepare_writes_shards_manifest_and_held_out_rule(prepared):
 def test_every_epoch_reads_every_training_document_once_in_a_seeded_order(prepared):
     n = prepared["corpus"].n_train
     order = _train_order(prepared, 2 * n)
-    train_ids = sorted(i for i in range(len(prepared["texts"])) if i % VAL_EVERY != VAL_EVERY - 1)
+    train_ids = sorted(set(range(len(prepared["texts"]))) - set(_held(prepared["texts"])))
     assert sorted(order[:n]) == train_ids == sorted(order[n:])
     assert order[:n] != order[n:] and order[:n] != train_ids  # reshuffled per epoch, not file order
     again = TokenCorpus(prepared["cfg"])
@@ -143,7 +164,7 @@ def test_iter_train_seeks_to_any_position(prepared):
 def test_rows_equal_the_text_paths_for_the_same_documents(prepared, mode, buffer):
     corpus, tok, texts = prepared["corpus"], prepared["tok"], prepared["texts"]
     order = _train_order(prepared, 3 * corpus.n_train)
-    held = [texts[i] for i in range(len(texts)) if i % VAL_EVERY == VAL_EVERY - 1]
+    held = [texts[i] for i in _held(texts)]
     ref = _TextStream([texts[i] for i in order], held)
     a = data.TokenStream(corpus, tok, 24, mode, seed=3, shuffle_buffer=buffer)
     b = data.TokenStream(ref, tok, 24, mode, seed=3, shuffle_buffer=buffer)
@@ -155,15 +176,21 @@ def test_rows_equal_the_text_paths_for_the_same_documents(prepared, mode, buffer
     assert torch.equal(va.input_ids, vb.input_ids) and torch.equal(va.lengths, vb.lengths)
 
 
-def test_held_out_set_equals_the_files_sources(prepared):
-    """Same documents held out, in the same order, as data.source=files on the source folder."""
-    cfg = DataConfig(source="files", path=str(prepared["src"]), vocab_size=VOCAB, val_every=VAL_EVERY)
-    text = data.load_corpus(cfg)
-    assert text.fingerprint() == prepared["corpus"].fingerprint()  # the same cached BPE
-    tok = prepared["tok"]
-    a = data.validation_set(prepared["corpus"], tok, 32, "pack", 10_000)
-    b = data.validation_set(text, tok, 32, "pack", 10_000)
-    assert torch.equal(a.input_ids, b.input_ids) and len(a) > 10
+def test_ranks_read_disjoint_documents_and_resume_from_a_count(prepared):
+    corpus = prepared["corpus"]
+    n = corpus.n_train
+    one = [d for d, _ in itertools.islice(corpus.positions(0), 2 * n)]
+    readers = [corpus.reader(r, 2, seed=0) for r in range(2)]
+    per_rank = [[r.next_doc()[0] for _ in range(n)] for r in readers]  # n each: two epochs together
+    assert per_rank[0] == one[0::2] and per_rank[1] == one[1::2]
+    first0, first1 = set(per_rank[0][: (n + 1) // 2]), set(per_rank[1][: n // 2])
+    assert not first0 & first1 and len(first0 | first1) == n  # epoch 0: disjoint, every document
+    resumed = corpus.reader(1, 2, seed=0)
+    resumed.load_state_dict({"count": 7})
+    assert [resumed.next_doc()[0] for _ in range(5)] == per_rank[1][7:12]
+    assert resumed.state_dict() == {"count": 12}
+    other = [d for d, _ in itertools.islice(corpus.positions(0, 1, seed=5), n)]
+    assert sorted(other) == sorted(one[:n]) and other != one[:n]  # another seed, another order
 
 
 @pytest.mark.parametrize("mode", ["pack", "truncate"])
@@ -229,12 +256,11 @@ def _bad_sources(tmp: Path) -> dict[str, tuple[list[str], str]]:
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "field", "gzip", "glob", "type", "out", "size"])
-def test_prepare_bad_input_exits_2_one_line(tmp_path, capsys, case):
+def test_prepare_bad_input_exits_2_one_line(tmp_path, capsys, hf_tok, case):
     args, needle = _bad_sources(tmp_path)[case]
     if "--out" not in args:
-        args = [*args, "--out", str(tmp_path / "shards"), "--tokenizer", "gpt2-not-needed"]
-    if case in ("empty", "field", "gzip"):
-        args[args.index("--tokenizer") + 1] = "builtin-bpe"  # the BPE reads the corpus first
+        args = [*args, "--out", str(tmp_path / "shards")]
+    args += ["--tokenizer", hf_tok]
     rc, err = _run(capsys, "prepare", *args)
     assert rc == 2 and needle in err and "\n" not in err, err
     assert not (tmp_path / "shards" / "manifest.json").exists()
@@ -254,21 +280,25 @@ def test_tokens_source_bad_folder_exits_2(prepared, tmp_path, capsys):
         TokenCorpus(DataConfig(**{**prepared["cfg"].__dict__, "path": str(half)}))
 
 
-def test_prepare_force_rewrites_and_cli_reports(prepared, tmp_path, capsys):
+def test_prepare_force_rewrites_and_cli_reports(prepared, tmp_path, capsys, hf_tok):
     gz = tmp_path / "src"
     gz.mkdir()
     _write_jsonl(gz / "part-0.jsonl.gz", prepared["texts"][:80])
     _write_jsonl(gz / "part-1.jsonl.gz", prepared["texts"][80:])
     out = tmp_path / "out"
-    args = ["prepare", str(gz / "*.jsonl.gz"), "--out", str(out), "--vocab-size", str(VOCAB)]
+    args = ["prepare", str(gz / "*.jsonl.gz"), "--out", str(out), "--tokenizer", hf_tok]
     args += ["--val-every", str(VAL_EVERY), "--shard-tokens", "3000"]
     assert main(args) == 0
     assert "prepared" in capsys.readouterr().out
     assert main([*args, "--force"]) == 0
     again = json.loads((out / "manifest.json").read_text())
-    # .jsonl.gz through a glob: the same shards as the plain .jsonl folder.
-    assert again["splits"] == prepared["manifest"]["splits"]
-    assert again["tokenizer"] == prepared["manifest"]["tokenizer"]
+    # .jsonl.gz through a glob, the BPE given as a HF folder: the shards of the .jsonl folder.
+    assert again["splits"] == prepared["manifest"]["splits"] and "file" not in again["tokenizer"]
+    assert again["tokenizer"]["fingerprint"] == prepared["manifest"]["tokenizer"]["fingerprint"]
+    cfg = DataConfig(source="tokens", path=str(out), tokenizer=hf_tok)
+    assert list(TokenCorpus(cfg).iter_val()) == list(prepared["corpus"].iter_val())
+    with pytest.raises(ConfigError, match=f"set data.tokenizer={hf_tok}"):
+        TokenCorpus(DataConfig(source="tokens", path=str(out)))
 
 
 def test_txt_reader_streams_the_same_documents(tmp_path):
