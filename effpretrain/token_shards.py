@@ -520,6 +520,12 @@ class TokenCorpus:
         tmp.write_bytes(src.read_bytes())
         os.replace(tmp, dst)
 
+    def tokenizer_sample(self) -> list[str]:
+        """The text a built-in BPE would train on: none here. `_install_bpe` has put the shards'
+        BPE in the cache before `data.load_tokenizer` looks, so this is reached only if the cache
+        lost it in between."""
+        raise ConfigError(f"{self.name}: the shards' built-in BPE vanished from the tokenizer cache; retry")
+
     def fingerprint(self) -> str:
         """The built-in BPE's cache key (the hash of the text it was trained on), else the
         manifest's hash."""
