@@ -98,7 +98,10 @@ def _add_prepare(sub) -> None:
         help="tokens per shard (documents never split)",
     )
     p.add_argument(
-        "--val-every", type=int, default=50, help="every Nth document is held out (as data.val_every)"
+        "--val-every",
+        type=int,
+        default=50,
+        help="one in N documents is held out, by data.val_every's rule (builtin: every Nth; files: text hash)",
     )
     p.add_argument("--force", action="store_true", help="overwrite a previous prepare in --out")
 
