@@ -333,3 +333,16 @@ def test_train_runs_on_tokens(prepared, tmp_path, tiny_overrides):
     summary = train(load_config(None, over), tmp_path / "run")
     assert summary["steps"] == 3 and summary["tokens"] == 3 * 4 * 32
     assert math.isfinite(summary["final_val_loss"]) and summary["val_tokens"] >= 256
+
+
+def test_uint32_shards_above_65536_tokens(prepared, tmp_path, monkeypatch, hf_tok):
+    assert token_shards.token_dtype(65536) == np.uint16 and token_shards.token_dtype(65537) == np.uint32
+    monkeypatch.setattr(token_shards, "token_dtype", lambda vocab_size: np.dtype(np.uint32))
+    m = prepare(str(prepared["src"]), tmp_path / "u32", tokenizer=hf_tok, val_every=VAL_EVERY, progress=False)
+    assert m["dtype"] == "uint32"
+    corpus = TokenCorpus(DataConfig(source="tokens", path=str(tmp_path / "u32"), tokenizer=hf_tok))
+    assert list(corpus.iter_val()) == list(prepared["corpus"].iter_val())
+    n = corpus.n_train
+    assert sorted(map(tuple, itertools.islice(corpus.iter_train(0), n))) == sorted(
+        map(tuple, itertools.islice(prepared["corpus"].iter_train(0), n))
+    )
