@@ -317,22 +317,36 @@ def test_txt_reader_streams_the_same_documents(tmp_path):
     assert list(token_shards._txt_documents(path)) == [*whole, cur] and len(whole) > 100
 
 
-def test_train_runs_on_tokens(prepared, tmp_path, tiny_overrides):
+def test_train_on_tokens_resumes_exactly(prepared, tmp_path, tiny_overrides):
+    """A run on data.source=tokens: 6 steps straight vs 3 + resume to 6, bitwise-equal weights."""
+    from safetensors.torch import load_file
+
     from effpretrain.trainer import train
 
     over = tiny_overrides + [
         "data.source=tokens",
         f"data.path={prepared['out']}",
         f"data.vocab_size={VOCAB}",
-        f"data.val_every={VAL_EVERY}",
         "data.shuffle_buffer=16",
-        "train.max_steps=3",
+        "train.max_steps=6",
+        "train.save_every=3",
         "train.eval_every=0",
         "model.preset=tiny",
     ]
-    summary = train(load_config(None, over), tmp_path / "run")
-    assert summary["steps"] == 3 and summary["tokens"] == 3 * 4 * 32
-    assert math.isfinite(summary["final_val_loss"]) and summary["val_tokens"] >= 256
+    straight = train(load_config(None, over), tmp_path / "straight")
+    resumed = train(
+        load_config(None, over),
+        tmp_path / "resumed",
+        resume=str(tmp_path / "straight" / "checkpoints" / "step-3"),
+    )
+    assert straight["steps"] == resumed["steps"] == 6 and straight["tokens"] == 6 * 4 * 32
+    assert math.isfinite(straight["final_val_loss"]) and straight["val_tokens"] >= 256
+    a, b = (
+        load_file(str(tmp_path / r / "checkpoints" / "step-6" / "model.safetensors"))
+        for r in ("straight", "resumed")
+    )
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed["final_val_loss"] == straight["final_val_loss"]
 
 
 def test_uint32_shards_above_65536_tokens(prepared, tmp_path, monkeypatch, hf_tok):
