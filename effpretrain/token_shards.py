@@ -601,13 +601,15 @@ class TokenReader:
         self.count += 1
         return next(self._it)
 
-    def state_dict(self) -> dict[str, int]:
+    def snapshot(self) -> dict[str, int]:
         return {"count": self.count}
+
+    def state_dict(self, snap: dict[str, int] | None = None) -> dict[str, int]:
+        """The position (or that of `snap`, a `snapshot()`, as a prefetching stream saves it)."""
+        return dict(self.snapshot() if snap is None else snap)
 
     def load_state_dict(self, sd: dict[str, int]) -> None:
         self.count, self._it = int(sd["count"]), None
-
-    snapshot = state_dict
 
     def restore(self, snap: dict[str, int]) -> None:
         if snap != self.state_dict():
