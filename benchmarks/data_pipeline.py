@@ -34,6 +34,7 @@ import argparse
 import copy
 import datetime as dt
 import gzip
+import inspect
 import io
 import json
 import os
@@ -96,13 +97,21 @@ def write_corpus(folder: Path, files: int, text_bytes: int, gz: bool = True, see
     return n
 
 
+def make_stream(corpus, tok, cfg: DataConfig) -> data.TokenStream:
+    """The stream a one-process run builds from `cfg`, with the run's document buffer and
+    background tokenisation where this version of the stream has them."""
+    params = inspect.signature(data.TokenStream).parameters
+    extra = {k: getattr(cfg, k) for k in ("doc_buffer", "prefetch") if k in params and hasattr(cfg, k)}
+    return data.TokenStream(
+        corpus, tok, cfg.seq_len, cfg.mode, cfg.shuffle_seed, shuffle_buffer=cfg.shuffle_buffer, **extra
+    )
+
+
 def pipeline(cfg: DataConfig, batch: int):
     """The training pipeline of a run on `cfg`: corpus, tokenizer, stream, batches."""
     corpus = data.load_corpus(cfg)
     tok = data.load_tokenizer(cfg, corpus)
-    stream = data.TokenStream(
-        corpus, tok, cfg.seq_len, cfg.mode, cfg.shuffle_seed, shuffle_buffer=cfg.shuffle_buffer
-    )
+    stream = make_stream(corpus, tok, cfg)
     return corpus, tok, stream, data.Batches(stream, batch, 1, vocab_size=tok.vocab_size)
 
 
@@ -116,6 +125,7 @@ def rate(cfg: DataConfig, batch: int, steps: int) -> dict:
     for _ in range(steps):
         batches.next_step()
     dt_ = time.perf_counter() - t0
+    _close(batches.stream)
     return {"first_step_s": first, "tokens_per_s": steps * batch * cfg.seq_len / dt_, "steps": steps}
 
 
@@ -128,16 +138,16 @@ def resume_latency(cfg: DataConfig, batch: int, at: int, repeats: int = 5) -> di
         batches.next_step()
     state = stream.state_dict()
     expected = batches.next_step()[0][0]["input_ids"]
+    _close(stream)
     times = []
     for _ in range(repeats):
         saved = copy.deepcopy(state)  # load_state_dict may adopt (and the stream then mutate) its tensors
         t0 = time.perf_counter()
-        new = data.TokenStream(
-            corpus, tok, cfg.seq_len, cfg.mode, cfg.shuffle_seed, shuffle_buffer=cfg.shuffle_buffer
-        )
+        new = make_stream(corpus, tok, cfg)
         new.load_state_dict(saved)
         got = data.Batches(new, batch, 1, vocab_size=tok.vocab_size).next_step()[0][0]["input_ids"]
         times.append(time.perf_counter() - t0)
+        _close(new)
         if not torch.equal(got, expected):
             raise AssertionError(
                 f"{cfg.source}: the batch after resuming at step {at} differs from the straight run's"
@@ -148,6 +158,12 @@ def resume_latency(cfg: DataConfig, batch: int, at: int, repeats: int = 5) -> di
         "repeats": repeats,
         "state_bytes": _state_bytes(state),
     }
+
+
+def _close(stream) -> None:
+    """Stops a stream's background tokenisation thread, if it has one."""
+    if getattr(stream, "prefetcher", None) is not None:
+        stream.prefetcher.stop()
 
 
 def _state_bytes(state: dict) -> int:
