@@ -1,4 +1,4 @@
-"""`effpretrain train | estimate | eval`: the console script and `python -m effpretrain`.
+"""`effpretrain train | estimate | eval | export | prepare`: the console script and `python -m effpretrain`.
 
 Bad input (config, data, paths, checkpoints) exits with code 2 and one line naming the problem.
 """
@@ -76,6 +76,36 @@ def _add_estimate(sub) -> None:
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
+def _add_prepare(sub) -> None:
+    from effpretrain.token_shards import DEFAULT_SHARD_TOKENS
+
+    p = sub.add_parser(
+        "prepare", help="tokenise a corpus once into memory-mapped shards (train with data.source=tokens)"
+    )
+    p.add_argument(
+        "source", help="builtin, or a .txt/.jsonl/.jsonl.gz/.parquet file, a folder of them, or a glob"
+    )
+    p.add_argument("--out", required=True, help="output folder (new or empty; then data.path=OUT)")
+    p.add_argument(
+        "--tokenizer", default="builtin-bpe", help="builtin-bpe (default) or a HF tokenizer name/path"
+    )
+    p.add_argument("--vocab-size", type=int, default=8192, help="builtin-bpe only (as data.vocab_size)")
+    p.add_argument("--text-field", default="text", help=".jsonl/.parquet field holding the text")
+    p.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=DEFAULT_SHARD_TOKENS,
+        help="tokens per shard (documents never split)",
+    )
+    p.add_argument(
+        "--val-every",
+        type=int,
+        default=50,
+        help="one in N documents is held out, by data.val_every's rule (builtin: every Nth; files: text hash)",
+    )
+    p.add_argument("--force", action="store_true", help="overwrite a previous prepare in --out")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="effpretrain", description="Memory-efficient LLM pretraining.")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -89,6 +119,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     v.add_argument("checkpoint", help="checkpoint folder or run directory")
     _add_overrides(v)
+    _add_prepare(sub)
     return p
 
 
@@ -203,6 +234,28 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_prepare(args) -> int:
+    from effpretrain.token_shards import prepare
+
+    m = prepare(
+        args.source,
+        args.out,
+        tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size,
+        text_field=args.text_field,
+        shard_tokens=args.shard_tokens,
+        val_every=args.val_every,
+        force=args.force,
+    )
+    tr, va = m["splits"]["train"], m["splits"]["val"]
+    print(
+        f"prepared {tr['tokens']:,} train tokens ({tr['documents']:,} documents, {len(tr['shards'])} shards) and "
+        f"{va['tokens']:,} held-out tokens ({va['documents']:,} documents) as {m['dtype']} -> {args.out}; "
+        f"train with data.source=tokens data.path={args.out}"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("httpx", "urllib3", "datasets", "accelerate"):
@@ -212,9 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("c10d-NullHandler-dcp_logger").setLevel(logging.CRITICAL)
     args = _parser().parse_args(argv)
     try:
-        return {"train": cmd_train, "estimate": cmd_estimate, "eval": cmd_eval, "export": cmd_export}[
-            args.cmd
-        ](args)
+        commands = {"train": cmd_train, "estimate": cmd_estimate, "eval": cmd_eval, "export": cmd_export}
+        return {**commands, "prepare": cmd_prepare}[args.cmd](args)
     except ConfigError as e:
         print(f"effpretrain: error: {e}", file=sys.stderr)
         return 2

@@ -220,15 +220,17 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    """Where tokens come from (builtin | files | hub) and how they become batches."""
+    """Where tokens come from (builtin | files | hub | tokens) and how they become batches."""
 
-    source: Literal["builtin", "files", "hub"] = "builtin"
+    source: Literal["builtin", "files", "hub", "tokens"] = "builtin"
     """`builtin`: standard-library sources, no download; `files`: local shards `data.path`,
-    streamed; `hub`: a streamed HF dataset `data.name`. Streamed sources read per rank: their
-    batches depend on the number of processes (README: Data)."""
+    streamed; `hub`: a streamed HF dataset `data.name`; `tokens`: shards written by
+    `effpretrain prepare` in `data.path`. Streamed sources read per rank: their batches depend on
+    the number of processes (README: Data)."""
     path: str = ""
     """`files`: a .txt / .jsonl / .jsonl.gz (.json.gz) / .parquet file, a folder of them, or a glob
-    pattern (e.g. `c4/en/c4-train.*.json.gz`)."""
+    pattern (e.g. `c4/en/c4-train.*.json.gz`); `tokens`: the folder `effpretrain prepare` wrote
+    (its `--out`)."""
     val_path: str = ""
     """`files`: the held-out shards (file, folder or glob, e.g. C4's `c4-validation.*.json.gz`);
     empty: one in `data.val_every` documents of `data.path` is held out."""

@@ -677,6 +677,10 @@ def load_corpus(cfg: DataConfig) -> Corpus | ShardedFiles | HubCorpus:
         return Corpus(*_split(builtin_documents(), cfg.val_every), "builtin")
     if cfg.source == "files":
         return ShardedFiles(cfg)
+    if cfg.source == "tokens":
+        from effpretrain.token_shards import TokenCorpus
+
+        return TokenCorpus(cfg)
     return HubCorpus(cfg)
 
 
@@ -694,7 +698,11 @@ class Tokenizer:
     pad_id: int
     _encode: Any
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+    def encode_batch(self, texts: list) -> list[list[int]]:
+        # Pre-tokenised documents (data.source=tokens) are already ids: they pass through, so the
+        # training stream and the validation set treat them exactly as encoded text.
+        if texts and not isinstance(texts[0], str):
+            return [t.tolist() if hasattr(t, "tolist") else list(t) for t in texts]
         return self._encode(texts)
 
 
