@@ -396,7 +396,26 @@ class Prefetcher:
         self.reader.restore(snap)
 
 
-class _LocalShardDocs:
+class DocPosition:
+    """A document source whose position is a small dict of ints and strings (`state_dict`):
+    its `snapshot()` is that dict, and `restore(snap)` reloads it only when the position moved
+    (undoing a skipped step's draw costs nothing when the draw read no document)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.state_dict()
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        if snap != self.state_dict():
+            self.load_state_dict(snap)
+
+
+class _LocalShardDocs(DocPosition):
     """One rank's raw training documents from local shards, epoch after epoch.
 
     Rank r of W reads shards i with i % W == r when there are at least W shards, else every shard
@@ -459,14 +478,8 @@ class _LocalShardDocs:
         )
         self._it, self._found = None, True
 
-    snapshot = state_dict
 
-    def restore(self, snap: dict[str, int]) -> None:
-        if snap != self.state_dict():
-            self.load_state_dict(snap)
-
-
-class _HubDocs:
+class _HubDocs(DocPosition):
     """One rank's raw training documents of a `datasets` stream, epoch after epoch: shards in a
     seeded order per epoch (``shuffle(seed, buffer_size=1)``: no buffer inside `datasets`, whose
     contents its state would not keep; `DocReader` holds the buffer), split by
@@ -522,12 +535,6 @@ class _HubDocs:
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.epoch, self.count = int(sd["epoch"]), int(sd["count"])
         self._it, self._resume, self._found = None, sd["hub"] or None, True
-
-    snapshot = state_dict
-
-    def restore(self, snap: dict[str, Any]) -> None:
-        if snap != self.state_dict():
-            self.load_state_dict(snap)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -5,12 +5,13 @@ Users who train several methods on the same data tokenise it once (as nanoGPT an
     effpretrain prepare SOURCE --out DIR [--tokenizer NAME] [--text-field F]
                        [--shard-tokens N] [--val-every N]
 
-SOURCE is ``builtin`` (the built-in corpus), a ``.txt`` / ``.jsonl`` / ``.jsonl.gz`` /
-``.parquet`` file, a folder of them, or a glob. Documents are read one at a time (never the whole
-corpus in memory) by the rules of ``data.source=files`` (a ``.txt`` file is cut into paragraph
-documents; blank documents are dropped), in sorted file order, and held out by the text source's
-rule (`held_out_rule`): every ``val_every``-th document of ``builtin``, and for files the
-documents whose text hash is 0 mod ``val_every``. The held-out set is fixed when the shards are
+SOURCE is ``builtin`` (the built-in corpus), a ``.txt`` / ``.jsonl`` / ``.jsonl.gz`` (``.json.gz``)
+/ ``.parquet`` file, a folder of them, or a glob. Documents are read one at a time (never the
+whole corpus in memory) by ``data.source=files``' own readers (`data.list_shards`,
+`data.shard_records`: a ``.txt`` file is cut into paragraph documents, blank documents are
+dropped, bad data names its file and line), in sorted file order, and held out by the text
+source's rule (`held_out_rule`): every ``val_every``-th document of ``builtin``, and for files
+`data.held_out` (the documents whose text hash is 0 mod ``val_every``). The held-out set is fixed when the shards are
 written: the same for any seed and any number of processes. The tokenizer is the run's
 (`data.load_tokenizer`): the built-in BPE is trained as a run on the text source would train it.
 
@@ -41,14 +42,11 @@ costs one permutation of the shard list and one of a shard, whatever the step.
 
 from __future__ import annotations
 
-import glob as globlib
-import gzip
 import hashlib
 import json
 import os
 import sys
 import time
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,7 +63,6 @@ VERSION = 1
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 DEFAULT_SHARD_TOKENS = 100_000_000
-_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".parquet")
 _ENCODE_CHUNK = 256
 # Text that exercises words, code, digits, whitespace runs and non-ASCII: two tokenizers that
 # encode it alike and share vocabulary size and special ids are taken to be the same.
@@ -92,102 +89,17 @@ def token_dtype(vocab_size: int) -> np.dtype:
 # Reading documents, one at a time
 
 
-def source_files(source: str) -> list[Path]:
-    """The files of a SOURCE path: the file itself, a folder's files (recursive), or a glob's,
-    in sorted order; only the suffixes `data.source=files` reads."""
-    if any(c in source for c in "*?["):
-        files = sorted(Path(p) for p in globlib.glob(os.path.expanduser(source), recursive=True))
-        files = [f for f in files if f.is_file() and f.name.endswith(_SUFFIXES)]
-        if not files:
-            raise ConfigError(f"{source}: the glob matches no {', '.join(_SUFFIXES)} files")
-        return files
-    p = Path(source).expanduser()
-    if not p.exists():
-        raise ConfigError(f"source not found: {source}")
-    if p.is_dir():
-        files = sorted(q for q in p.rglob("*") if q.is_file() and q.name.endswith(_SUFFIXES))
-        if not files:
-            raise ConfigError(f"{source}: no {', '.join(_SUFFIXES)} files in this folder")
-        return files
-    if not p.name.endswith(_SUFFIXES):
-        raise ConfigError(f"{source}: unsupported file type (use {', '.join(_SUFFIXES)})")
-    return [p]
-
-
-def _txt_documents(path: Path, max_chars: int = 4000) -> Iterator[str]:
-    """`data._txt_documents`' paragraph documents, read in 1 MiB pieces instead of whole."""
-    cur, tail = "", ""
-    with path.open(encoding="utf-8", errors="replace") as fh:
-        while True:
-            piece = fh.read(1 << 20)
-            paras = (tail + piece).split("\n\n")
-            tail = paras.pop() if piece else ""
-            for para in paras:
-                if not para.strip():
-                    continue
-                if cur and len(cur) + len(para) > max_chars:
-                    yield cur
-                    cur = ""
-                cur = f"{cur}\n\n{para}" if cur else para
-            if not piece:
-                break
-    if cur.strip():
-        yield cur
-
-
-def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
-    """One document per JSON line (gzip when the name ends in .gz); errors name file and line."""
-    opener = gzip.open if path.name.endswith(".gz") else open
-    lineno = 0
-    try:
-        with opener(path, "rt", encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError:
-                    raise ConfigError(f"{path}:{lineno}: not valid JSON") from None
-                if not isinstance(obj, dict) or text_field not in obj:
-                    raise ConfigError(f"{path}:{lineno}: no text field {text_field!r} (use --text-field)")
-                if not isinstance(obj[text_field], str):
-                    raise ConfigError(f"{path}:{lineno}: field {text_field!r} is not a string")
-                if obj[text_field].strip():
-                    yield obj[text_field]
-    except (OSError, EOFError, zlib.error, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}:{lineno + 1}: unreadable ({type(e).__name__}: {e})") from None
-
-
-def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ConfigError("reading .parquet needs pyarrow: pip install pyarrow") from None
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as e:  # pyarrow raises several types for a bad file
-        raise ConfigError(f"{path}: not a readable parquet file ({type(e).__name__})") from None
-    names = pf.schema_arrow.names
-    if text_field not in names:
-        raise ConfigError(f"{path}: no column {text_field!r} (columns: {', '.join(names)})")
-    for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
-        for t in batch.column(0).to_pylist():
-            if isinstance(t, str) and t.strip():
-                yield t
-
-
 def iter_documents(source: str, text_field: str = "text") -> Iterator[str]:
-    """The documents of SOURCE (`builtin` or a path/folder/glob) in order, one at a time."""
+    """The non-blank documents of SOURCE (`builtin`, or a shard file, folder or glob read by
+    `data.list_shards` / `data.shard_records`, the rules of ``data.source=files``) in order, one
+    at a time. Bad data raises `ConfigError` naming the file and line."""
     if source == "builtin":
         yield from data.builtin_documents()
         return
-    for f in source_files(source):
-        if f.name.endswith(".txt"):
-            yield from _txt_documents(f)
-        elif f.name.endswith(".parquet"):
-            yield from _parquet_documents(f, text_field)
-        else:
-            yield from _jsonl_documents(f, text_field)
+    for f in data.list_shards(source, "source"):
+        for _, text in data.shard_records(f, text_field):
+            if text.strip():
+                yield text
 
 
 # ----------------------------------------------------------------------------------------------
@@ -278,14 +190,6 @@ def _run_tokenizer(source: str, cfg: DataConfig) -> tuple[data.Tokenizer, dict[s
     return tok, entry, bpe_file
 
 
-def held_out_by_hash(text: str, every: int) -> bool:
-    """The held-out rule of streamed text sources (issue 19's `data.held_out`): a document is
-    held out when the blake2b-64 hash of its text is 0 mod `every` (about one in `every`, the
-    same whatever the file order, seed or number of processes)."""
-    digest = hashlib.blake2b(text.encode("utf-8", "replace"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % every == 0
-
-
 def held_out_rule(source: str, every: int) -> tuple[str, Any]:
     """(description, predicate(index, text)) of the held-out documents, the text source's rule:
     `builtin` every `every`-th document, files by text hash."""
@@ -296,7 +200,7 @@ def held_out_rule(source: str, every: int) -> tuple[str, Any]:
         )
     return (
         f"a document is held out when blake2b-64(text, little-endian) % {every} == 0",
-        lambda i, text: held_out_by_hash(text, every),
+        lambda i, text: data.held_out(text, every),
     )
 
 
@@ -335,7 +239,7 @@ def prepare(
         if value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
     if source != "builtin":
-        source_files(source)  # a missing source is refused before any tokenizer work
+        data.list_shards(source, "source")  # a missing source is refused before any tokenizer work
     out = Path(out).expanduser()
     _check_out(out, force)
     cfg = DataConfig(text_field=text_field, tokenizer=tokenizer, vocab_size=vocab_size, val_every=val_every)
@@ -584,7 +488,7 @@ class TokenCorpus:
                 yield ids[int(offsets[d]) : int(offsets[d + 1]) - 1].tolist()
 
 
-class TokenReader:
+class TokenReader(data.DocPosition):
     """One rank's training documents of a `TokenCorpus`: positions r, r + W, r + 2W, ...
 
     Its state is the count of documents it has read, c (next position c W + r): restoring it
@@ -601,16 +505,9 @@ class TokenReader:
         self.count += 1
         return next(self._it)
 
-    def snapshot(self) -> dict[str, int]:
-        return {"count": self.count}
-
     def state_dict(self, snap: dict[str, int] | None = None) -> dict[str, int]:
         """The position (or that of `snap`, a `snapshot()`, as a prefetching stream saves it)."""
-        return dict(self.snapshot() if snap is None else snap)
+        return {"count": self.count} if snap is None else dict(snap)
 
     def load_state_dict(self, sd: dict[str, int]) -> None:
         self.count, self._it = int(sd["count"]), None
-
-    def restore(self, snap: dict[str, int]) -> None:
-        if snap != self.state_dict():
-            self.load_state_dict(snap)

@@ -105,7 +105,7 @@ class _TextStream:
 
 def _held(texts: list[str]) -> list[int]:
     """The held-out documents of a files source: text hash 0 mod VAL_EVERY (data.source=files')."""
-    return [i for i, t in enumerate(texts) if token_shards.held_out_by_hash(t, VAL_EVERY)]
+    return [i for i, t in enumerate(texts) if data.held_out(t, VAL_EVERY)]
 
 
 def _train_order(p, n_docs: int) -> list[int]:
@@ -246,9 +246,9 @@ def _bad_sources(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "field": ([str(tmp / "nofield.jsonl")], "nofield.jsonl:2: no text field 'text'"),
         "gzip": (
             [str(tmp / "corrupt.jsonl.gz")],
-            "corrupt.jsonl.gz:51: unreadable (EOFError",
+            "corrupt.jsonl.gz:51: corrupt or truncated gzip (EOFError",
         ),  # 50 lines read
-        "glob": ([str(tmp / "*.none")], "the glob matches no"),
+        "glob": ([str(tmp / "*.none")], "files match this pattern"),
         "type": ([str(tmp / "a.csv")], "unsupported file type"),
         "out": ([str(tmp / "nofield.jsonl"), "--out", str(tmp / "full")], "is not empty"),
         "size": (["builtin", "--shard-tokens", "0"], "--shard-tokens must be >= 1"),
@@ -302,6 +302,8 @@ def test_prepare_force_rewrites_and_cli_reports(prepared, tmp_path, capsys, hf_t
 
 
 def test_txt_reader_streams_the_same_documents(tmp_path):
+    """prepare reads a .txt source through data.shard_records, 1 MiB at a time: the documents of
+    the paragraph rule applied to the whole text."""
     rng = random.Random(0)
     paras = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 400))) for _ in range(3000)]
     path = tmp_path / "big.txt"
@@ -314,7 +316,7 @@ def test_txt_reader_streams_the_same_documents(tmp_path):
             if cur and len(cur) + len(para) > 4000:
                 whole, cur = [*whole, cur], ""
             cur = f"{cur}\n\n{para}" if cur else para
-    assert list(token_shards._txt_documents(path)) == [*whole, cur] and len(whole) > 100
+    assert list(token_shards.iter_documents(str(path))) == [*whole, cur] and len(whole) > 100
 
 
 def test_train_on_tokens_resumes_exactly(prepared, tmp_path, tiny_overrides):
