@@ -797,9 +797,10 @@ class TokenStream:
     pack: documents joined with EOS and cut into rows (every slot a target).
     truncate: one document per row, cut at seq_len, right-padded; pad labels are ignored.
     Documents come in a seeded permutation per epoch (in-memory corpora), or, for a streamed
-    corpus with a `reader` (local shards, hub), from this rank's `DocReader` (its share of the
-    documents, shards in a seeded order, a seeded buffer of `doc_buffer` documents); the rows cut
-    from them in that order are the *source rows*.
+    corpus (every one has a `reader`), from this rank's reader: a `DocReader` for local shards
+    and hub (its share of the documents, shards in a seeded order, a seeded buffer of
+    `doc_buffer` documents), a `token_shards.TokenReader` for pre-tokenised shards (its share of
+    a seeded document order); the rows cut from them in that order are the *source rows*.
 
     Row mixing. Consecutive source rows come from one document (in pack mode a standard-library
     module spans tens of rows), so a batch of consecutive rows holds one to three documents. With
@@ -817,7 +818,7 @@ class TokenStream:
 
     `track_docs` (tests, debugging) records each row's document: `last_docs` holds, after every
     `next_rows`, the document of each row (in pack mode the one that supplies most of its
-    tokens); the index in the corpus for in-memory sources, the stream index for hub data. It
+    tokens); the index in the corpus for in-memory sources, the reader's document id for streamed ones. It
     costs one int per buffered token and is not saved: rows buffered before a resume read -1.
     """
 
@@ -856,8 +857,9 @@ class TokenStream:
         self.pool_docs: list[int] = []
         self.last_docs: torch.Tensor | None = None
         self._order: list[int] | None = None
-        self._hub_iter: Iterator[tuple[int, str]] | None = None
         make_reader = getattr(corpus, "reader", None)
+        if corpus.streaming and make_reader is None:  # no global stream: every rank reads its own
+            raise TypeError(f"{corpus.name}: a streamed corpus needs reader(rank, world, seed, doc_buffer)")
         self.reader: DocReader | None = make_reader(rank, world, seed, doc_buffer) if make_reader else None
         self.prefetcher = (
             Prefetcher(self.reader, self._encode, chunk, prefetch)
@@ -898,7 +900,7 @@ class TokenStream:
         for n in sd["pending_lengths"].tolist():
             self.pending.append(flat[i : i + n])
             i += n
-        self._order, self._hub_iter = None, None
+        self._order = None
         if self.reader is not None:
             if "reader" not in sd:
                 raise ConfigError(
@@ -933,15 +935,12 @@ class TokenStream:
         return snap
 
     def restore(self, snap: dict[str, Any]) -> None:
-        hub_stale = self.corpus.streaming and (snap["epoch"], snap["cursor"]) != (self.epoch, self.cursor)
         for k in _STREAM_FIELDS:
             setattr(self, k, snap[k])
         if self.prefetcher is not None:
             self.prefetcher.restore(snap["reader"])
         elif self.reader is not None:
             self.reader.restore(snap["reader"])
-        if hub_stale:
-            self._hub_iter = None
 
     def _reader_snapshot(self) -> dict[str, Any]:
         """The reader's position as consumed (a prefetching thread may have read further)."""
@@ -958,18 +957,6 @@ class TokenStream:
         """The next chunk of (document index, text), advancing the cursor (wrapping epochs)."""
         if self.reader is not None:
             return [self.reader.next_doc() for _ in range(self.chunk)]
-        if self.corpus.streaming:
-            if self._hub_iter is None:
-                self._hub_iter = enumerate(self.corpus.iter_train(self.cursor), self.cursor)
-            docs = []
-            for _ in range(self.chunk):
-                try:
-                    docs.append(next(self._hub_iter))
-                except StopIteration:
-                    self.epoch, self.cursor, self._hub_iter = self.epoch + 1, 0, None
-                    break
-                self.cursor += 1
-            return [(i, d) for i, d in docs if d]
         order = self._epoch_order()
         if self.cursor >= len(order):
             self.epoch, self.cursor, self._order = self.epoch + 1, 0, None

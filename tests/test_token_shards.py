@@ -93,11 +93,29 @@ class _TextStream:
     def __init__(self, docs: list[str], val: list[str]):
         self.docs, self.val = docs, val
 
-    def iter_train(self, start: int = 0):
-        yield from self.docs[start:]
+    def reader(self, rank: int, world: int, seed: int, doc_buffer: int = 0):
+        assert (rank, world) == (0, 1)
+        return _ListReader(self.docs)
 
     def iter_val(self):
         yield from self.val
+
+
+class _ListReader(data.DocPosition):
+    """The reference's one reader: its documents in order, the position a count."""
+
+    def __init__(self, docs: list[str]):
+        self.docs, self.count = docs, 0
+
+    def next_doc(self) -> tuple[int, str]:
+        self.count += 1
+        return self.count - 1, self.docs[self.count - 1]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"count": self.count}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.count = int(sd["count"])
 
     def fingerprint(self) -> str:
         return "reference"
@@ -349,6 +367,10 @@ def test_train_on_tokens_resumes_exactly(prepared, tmp_path, tiny_overrides):
     )
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert resumed["final_val_loss"] == straight["final_val_loss"]
+    # The trainer read per rank, as for data.source=files: the step-3 position is this rank's
+    # TokenReader count (documents consumed), not a global stream cursor.
+    saved = torch.load(tmp_path / "straight" / "checkpoints" / "step-3" / "trainer.pt", weights_only=True)
+    assert len(saved["data"]["ranks"]) == 1 and saved["data"]["ranks"][0]["reader"]["count"] > 0
 
 
 def test_uint32_shards_above_65536_tokens(prepared, tmp_path, monkeypatch, hf_tok):
