@@ -120,6 +120,9 @@ class Estimate:
     params: int
     trainable_params: int
     detail: dict[str, Any] = field(default_factory=dict)
+    #: the largest live total at any moment of a step (bytes, per rank); ``detail["peak_phase"]``
+    #: names that moment and ``detail["peak_terms"]`` its terms (name -> bytes).
+    peak: int = 0
 
     @property
     def total(self) -> int:
@@ -137,6 +140,7 @@ class Estimate:
             "activations": self.activations,
             "weights_plus_optimizer": self.weights_plus_optimizer,
             "total": self.total,
+            "peak": self.peak,
             "params": self.params,
             "trainable_params": self.trainable_params,
             **self.detail,
@@ -325,7 +329,11 @@ def estimate(
         "sharding": sharding,
         "sparse_index_bytes": t.index_bytes,
     }
-    return Estimate(t.weights, t.grads, t.state, acts, t.params, t.trainable, detail)
+    terms = {"weights": t.weights, "grads": t.grads, "optimizer_state": t.state, "activations": acts}
+    detail.update(peak_phase="forward_backward", peak_terms=terms)
+    return Estimate(
+        t.weights, t.grads, t.state, acts, t.params, t.trainable, detail, peak=sum(terms.values())
+    )
 
 
 def estimate_from_config(cfg: Any, vocab_size: int, world_size: int = 1, sharding: str = "none") -> Estimate:
