@@ -41,6 +41,45 @@ def _torch_adamw_state_bytes(shape: tuple[int, ...], group: dict[str, Any], dtyp
     return 2 * math.prod(shape) * dtype.itemsize + 4
 
 
+# Step transients: bytes of the temporaries a method holds while it steps one parameter (the
+# estimator's optimizer-step moment adds them to weights + gradients + state). s = itemsize, k =
+# min(m, n) for an m x n matrix. Derived from each class's step and checked against measured peaks
+# where the step is a run's largest moment; an upper bound where the class's path varies (bases).
+
+
+def _foreach_adam_transient(shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+    """torch's foreach AdamW: ``sqrt(v)`` (then divided in place) for every tensor at once:
+    ``numel s`` per tensor, summed over tensors (`MethodSpec.foreach`)."""
+    return math.prod(shape) * dtype.itemsize
+
+
+def _dense_update_transient(shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+    """A per-tensor Adam-style step: the denominator and the update, ``2 numel s``."""
+    return 2 * math.prod(shape) * dtype.itemsize
+
+
+def _projected_transient(shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+    """A projected m x n matrix at a basis refresh (the step's largest moment): the fp32 copy of
+    the gradient (``4 m n``), a thin SVD's workspace (``4 (m k + k + k n)``, an upper bound for
+    the randomized and random bases) and the full-size update projected back (``m n s``).
+    Unprojected tensors: `_dense_update_transient`."""
+    if "rank" not in group or len(shape) != 2:
+        return _dense_update_transient(shape, group, dtype)
+    m, n = shape
+    k = min(m, n)
+    return 4 * m * n + 4 * (m * k + k + k * n) + m * n * dtype.itemsize
+
+
+def _dequantised_transient(shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+    """8-bit moments: both moments dequantised to fp32 for the update (``2 * 4`` per moment
+    element: ``numel`` for a dense tensor, ``k max(m, n)`` for a projected matrix), on top of the
+    unquantised method's transient."""
+    if "rank" in group and len(shape) == 2:
+        moments = min(shape) * max(shape) if group["rank"] >= min(shape) else group["rank"] * max(shape)
+        return 8 * moments + _projected_transient(shape, group, dtype)
+    return 8 * math.prod(shape) + _dense_update_transient(shape, group, dtype)
+
+
 @dataclass(frozen=True)
 class MethodSpec:
     """Every per-method fact, for one optimizer name.
@@ -54,6 +93,10 @@ class MethodSpec:
         defaults: constructor keywords the toolkit passes unless the caller gives them.
         state_bytes_fn: the state formula for a class that has no ``state_bytes`` classmethod of
             its own (torch's AdamW); our classes document and test theirs.
+        step_transient_fn: bytes of the temporaries the step holds for one parameter
+            (`step_transient_bytes`); default `_dense_update_transient`.
+        foreach: the class steps every tensor at once (torch's foreach path), so the transients of
+            all tensors are live together; otherwise one tensor at a time (the largest counts).
     """
 
     name: str
@@ -62,6 +105,8 @@ class MethodSpec:
     needs_total_steps: bool = False
     defaults: Mapping[str, Any] = field(default_factory=dict)
     state_bytes_fn: Callable[[tuple[int, ...], dict[str, Any], torch.dtype], int] | None = None
+    step_transient_fn: Callable[[tuple[int, ...], dict[str, Any], torch.dtype], int] | None = None
+    foreach: bool = False
 
     @property
     def class_name(self) -> str:
@@ -130,6 +175,12 @@ class MethodSpec:
         fn = self.state_bytes_fn or self.cls.state_bytes
         return int(fn(tuple(shape), group, dtype))
 
+    def step_transient_bytes(self, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+        """Bytes of the temporaries the step holds while it updates one parameter of `shape` (at a
+        basis refresh for a projecting method: its largest step)."""
+        fn = self.step_transient_fn or _dense_update_transient
+        return int(fn(tuple(shape), group, dtype))
+
 
 def _spec(**kw: Any) -> MethodSpec:
     kw["defaults"] = MappingProxyType(dict(kw.get("defaults", {})))
@@ -145,10 +196,13 @@ METHODS: dict[str, MethodSpec] = {
             # foreach: torch's fastest CPU/GPU path that is also deterministic.
             defaults={"foreach": True},
             state_bytes_fn=_torch_adamw_state_bytes,
+            step_transient_fn=_foreach_adam_transient,
+            foreach=True,
         ),
         _spec(
             name="adamw_8bit",
             target="optimizers.adamw_8bit:AdamW8bit",
+            step_transient_fn=_dequantised_transient,
         ),
         _spec(
             name="stable_spam",
@@ -163,26 +217,31 @@ METHODS: dict[str, MethodSpec] = {
             name="galore",
             target="optimizers.galore:GaLoreAdamW",
             projects=True,
+            step_transient_fn=_projected_transient,
         ),
         _spec(
             name="galore_8bit",
             target="optimizers.galore_8bit:GaLoreAdamW8bit",
             projects=True,
+            step_transient_fn=_dequantised_transient,
         ),
         _spec(
             name="fira",
             target="optimizers.fira:FiraAdamW",
             projects=True,
+            step_transient_fn=_projected_transient,
         ),
         _spec(
             name="apollo",
             target="optimizers.apollo:APOLLOAdamW",
             projects=True,
+            step_transient_fn=_projected_transient,
         ),
         _spec(
             name="apollo_mini",
             target="optimizers.apollo:APOLLOMini",
             projects=True,
+            step_transient_fn=_projected_transient,
         ),
     )
 }
