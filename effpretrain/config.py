@@ -294,6 +294,10 @@ class TrainConfig:
     gradients and states: the paper's)."""
     activation_checkpointing: Annotated[int, NON_NEGATIVE, BOOL_AS_INT] = 0
     """0 (or false): off; k: checkpoint every k-th decoder layer (1 or true: all)."""
+    memory_steps: list[PositiveInt] | None = None
+    """Steps whose memory is measured by category (`effpretrain.memory_measure`; metrics.jsonl
+    and summary.json `memory_measured`); `null`: step 1, the first basis refresh after it
+    (projected methods) and the first restart; `[]`: none. Other steps run without hooks."""
     max_consecutive_skips: PositiveInt = 5
     """Non-finite steps in a row (skipped) before the run stops."""
     trackers: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)

@@ -47,6 +47,7 @@ outside the checkpointed blocks, and the inputs the checkpoints keep show up in 
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -285,6 +286,7 @@ class _Step:
                     setattr(self.opt, name, old)
 
     def _entering(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)  # its signature too: Accelerate inspects zero_grad's parameters
         def call(*args: Any, **kwargs: Any) -> Any:
             self.enter(phase)
             return fn(*args, **kwargs)
