@@ -300,6 +300,10 @@ class TrainConfig:
     memory_budget_gb: PositiveFloat | None = None
     """Per-rank memory budget (GB = 1e9 bytes) that `activation_checkpointing: auto` fits the
     estimated peak into."""
+    memory_steps: list[PositiveInt] | None = None
+    """Steps whose memory is measured by category (`effpretrain.memory_measure`; metrics.jsonl
+    and summary.json `memory_measured`); `null`: step 1, the first basis refresh after it
+    (projected methods) and the first restart; `[]`: none. Other steps run without hooks."""
     max_consecutive_skips: PositiveInt = 5
     """Non-finite steps in a row (skipped) before the run stops."""
     trackers: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)

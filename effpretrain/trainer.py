@@ -25,21 +25,29 @@ import torch
 import optimizers
 from effpretrain import checkpoint as ckpt
 from effpretrain import data as data_mod
-from effpretrain import evaluation, fsdp, memory
+from effpretrain import evaluation, fsdp, memory, memory_measure
 from effpretrain.config import RunConfig, apply_overrides, dump_yaml, from_dict, to_dict, validate
 from effpretrain.errors import ConfigError
 from effpretrain.evaluation import EvalResult
 from effpretrain.launch import check_launch, make_accelerator
 from effpretrain.loss import token_loss_sum
 from effpretrain.models import set_activation_checkpointing
-from effpretrain.models.factorized import begin_warm_start_, end_warm_start_, warming_up
+from effpretrain.models.factorized import begin_warm_start_, end_warm_start_, factor_spec, warming_up
 from effpretrain.optim_setup import build_optimizer_and_schedule, opt_telemetry, warm_start_steps
 from effpretrain.reporting import RunClock, RunReport, build_summary
 from effpretrain.run_model import build_run_model
 from effpretrain.signals import StopSignals
 from optimizers._sharded import local as _local
 
-__all__ = ["NonFiniteError", "Progress", "Trainer", "check_launch", "evaluate_checkpoint", "train"]
+__all__ = [
+    "NonFiniteError",
+    "Progress",
+    "Trainer",
+    "check_launch",
+    "evaluate_checkpoint",
+    "memory_steps",
+    "train",
+]
 
 log = logging.getLogger("effpretrain")
 
@@ -83,6 +91,10 @@ class Trainer:
         self.progress = Progress()
         self.opt_seconds = 0.0  # wall time inside optimizer.step() (events included), this process
         self.grad_bytes = 0  # measured per rank after the first step
+        self.memory_steps = set(memory_steps(cfg))
+        # One entry per measured step: the per-rank measurements (memory_measure.measure_step).
+        self.memory_records: list[list[dict[str, Any]]] = []
+        self._measured: dict[str, Any] | None = None  # this step's, until it is reported
         self._saved_step: int | None = None  # the step whose checkpoint this run wrote or resumed
         if self.resume_path is not None:
             self._load(self.resume_path, allow_config_change)
@@ -207,6 +219,7 @@ class Trainer:
             stop.enter_loop()
             while not (stopped := self._stop_agreed(stop)) and p.step < max_steps:
                 loss, gnorm, finite = self._timed_step(clock)
+                self._report_memory(report)
                 if not finite:
                     self._skip(report, loss, gnorm)
                     continue
@@ -238,10 +251,45 @@ class Trainer:
 
     def _timed_step(self, clock: RunClock) -> tuple[float, float, bool]:
         clock.start_step()
-        out = self._train_step()
+        step = self.progress.step + 1
+        if step in self.memory_steps:
+            out = self._measured_step(step)
+        else:
+            out = self._train_step()
         if not self.grad_bytes:
             self.grad_bytes = self._grad_bytes()
         clock.end_step()
+        return out
+
+    def _measured_step(self, step: int) -> tuple[float, float, bool]:
+        """`_train_step` under `memory_measure.measure_step` (hooks on for this step only)."""
+        box: dict[str, Any] = {}
+        self._measured = memory_measure.measure_step(
+            lambda: box.setdefault("out", self._train_step()), self.model, self.inner_opt, step=step
+        )
+        return box["out"]
+
+    def _report_memory(self, report: RunReport) -> None:
+        """Writes the step's measured memory (every rank's: gathered, all ranks measure the same
+        steps) beside the estimate to metrics.jsonl, and keeps it for summary.json."""
+        if self._measured is None:
+            return
+        ranks, self._measured = self._gather_small(self._measured), None
+        self.memory_records.append(ranks)
+        est = memory.estimate_from_config(self.cfg, self.tok.vocab_size, self.world, self._sharding())
+        rec = {"event": "memory", "step": ranks[0]["step"], "measured": ranks[0], "estimate": est.as_dict()}
+        if self.world > 1:
+            rec["ranks"] = ranks
+        report.write(rec)
+
+    def _gather_small(self, obj: Any) -> list[Any]:
+        """`obj` from every rank, in rank order (a small picklable object)."""
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
         return out
 
     def _skip(self, report: RunReport, loss: float, gnorm: float) -> None:
@@ -354,6 +402,7 @@ class Trainer:
             val=last_val,
             clock=clock,
             grad_bytes=self.grad_bytes,
+            memory_records=self.memory_records,
             vocab_size=self.tok.vocab_size,
             sharding=self._sharding(),
         )
@@ -543,6 +592,27 @@ class Trainer:
         )
         self._saved_step = self.progress.step  # this step's checkpoint exists
         log.info("resumed from %s at step %d", path, self.progress.step)
+
+
+def memory_steps(cfg: RunConfig) -> list[int]:
+    """The steps whose memory a run measures: `train.memory_steps` when set, else step 1, the
+    first basis refresh after it for a projected method (refreshes fall on steps 1, T + 1, 2T + 1,
+    ... with T = `optim.update_proj_gap`: optimizers/projected_adam.py) and the first restart (the
+    step after whose update it runs: `restarts.every`, counted after the warm start for a kind that
+    merges at restarts, as `optim_setup.wrap_restarts` sets it up); steps past `train.max_steps`
+    are dropped."""
+    t = cfg.train
+    if t.memory_steps is not None:
+        steps = list(t.memory_steps)
+    else:
+        steps = [1]
+        if optimizers.method_spec(cfg.optim.name).projects:
+            steps.append(cfg.optim.update_proj_gap + 1)
+        if cfg.restarts.every:
+            kind = cfg.factor.kind
+            merges = kind != "none" and factor_spec(kind).merges_at_restart
+            steps.append((cfg.factor.warm_start_steps if merges else 0) + cfg.restarts.every)
+    return sorted({s for s in steps if s <= t.max_steps})
 
 
 def _check_writable_dir(out: Path) -> None:

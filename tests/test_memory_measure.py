@@ -1,0 +1,176 @@
+"""Measured memory by category (effpretrain.memory_measure): exact on a toy model, equal to the
+estimator's weights, gradients and optimizer state on every tiny recipe, recorded by the trainer
+on the chosen steps only, and refused up front when a run cannot fit (pre-flight)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import optimizers
+from effpretrain import memory
+from effpretrain.config import load_config
+from effpretrain.loss import token_loss_sum
+from effpretrain.memory_measure import CATEGORIES, measure_step
+from effpretrain.models.factorized import warming_up
+from effpretrain.optim_setup import build_optimizer_and_schedule
+from effpretrain.run_model import build_run_model
+from effpretrain.trainer import memory_steps, train
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_RECIPES = sorted((ROOT / "recipes" / "tiny").glob("*.yaml"))
+
+B, D_IN, D_HID, D_OUT = 16, 64, 128, 32
+
+
+def _toy(foreach: bool = False):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(D_IN, D_HID), torch.nn.ReLU(), torch.nn.Linear(D_HID, D_OUT))
+    opt = torch.optim.AdamW(model.parameters(), foreach=foreach)
+    x = torch.randn(B, D_IN)
+    return model, opt, x
+
+
+def _toy_step(model, opt, x, extra: list | None = None):
+    def run():
+        loss = model(x).square().sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if extra is not None:
+            extra.append(torch.empty(extra[0] if extra else 0))
+
+    return run
+
+
+def test_toy_linear_stack_every_category_exact():
+    """Weights and gradients: sum numel * 4; AdamW state: 2x that plus a 4-byte step per tensor;
+    saved for backward: x (first Linear), the ReLU output (ReLU and the second Linear share it)
+    and the second Linear's output (square's input)."""
+    model, opt, x = _toy()
+    n = sum(p.numel() for p in model.parameters())
+    for step in (1, 2):  # step 1 creates the optimizer state, step 2 finds it
+        m = measure_step(_toy_step(model, opt, x), model, opt, step=step)
+        assert m["weights"] == 4 * n
+        assert m["gradients"] == 4 * n
+        assert m["optimizer_state"] == 8 * n + 4 * 4 == optimizers.measured_state_bytes(opt)
+        assert m["activations"] == 4 * (B * D_IN + B * D_HID + B * D_OUT)
+        assert m["step"] == step and m["device"] == "cpu"
+        # The peak holds at least what is alive during the optimizer step, and the parts add up.
+        assert m["peak"] >= 16 * n + 16
+        assert sum(m["at_peak"].values()) + m["temporaries"] == m["peak"]
+
+
+def test_a_transient_allocation_is_the_peak_in_its_phase():
+    """A 4 MB buffer allocated after zero_grad and released at once: the peak's phase is
+    zero_grad and the buffer is a temporary (nothing else is that large)."""
+    model, opt, x = _toy()
+    big = 1 << 20
+    m = measure_step(_toy_step(model, opt, x, extra=[big]), model, opt)
+    assert m["phase_at_peak"] == "zero_grad"
+    assert m["temporaries"] >= 4 * big
+    assert m["at_peak"]["gradients"] == 0  # set_to_none released them before
+    # Without it the step's peak is far lower: the buffer is measured, not an artefact.
+    model2, opt2, x2 = _toy()
+    assert measure_step(_toy_step(model2, opt2, x2), model2, opt2)["peak"] < m["peak"] - 3 * big
+
+
+def test_no_hook_is_left_installed():
+    model, opt, x = _toy()
+    measure_step(_toy_step(model, opt, x), model, opt)
+    assert "step" not in opt.__dict__ and "zero_grad" not in opt.__dict__
+    assert not model._forward_pre_hooks
+    assert torch._C._len_torch_dispatch_stack() == 0
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def _tiny_overrides() -> list[str]:
+    return ["data.seq_len=32", "data.vocab_size=512", "train.batch_size=4", "train.plot=false"]
+
+
+def _batch(vocab: int, rows: int = 4, seq: int = 32) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (rows, seq), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def _shared_state_bytes(opt) -> int:
+    """Bytes of optimizer-state tensors that repeat a storage already seen in the state."""
+    seen, extra = set(), 0
+    for st in getattr(opt, "optimizer", opt).state.values():
+        for v in st.values():
+            if torch.is_tensor(v):
+                key = v.untyped_storage().data_ptr()
+                extra += v.numel() * v.element_size() if key in seen else 0
+                seen.add(key)
+    return extra
+
+
+@pytest.mark.parametrize("recipe", TINY_RECIPES, ids=[p.stem for p in TINY_RECIPES])
+def test_tiny_recipe_measured_equals_estimate(recipe):
+    """Acceptance 1 (measured side): weights, gradients and optimizer state measured from the
+    tensors equal the estimator's exactly, for every tiny recipe (fp32, CPU)."""
+    cfg = load_config(recipe, _tiny_overrides())
+    vocab = cfg.data.vocab_size
+    torch.manual_seed(0)
+    model, _ = build_run_model(cfg, vocab)
+    opt, _ = build_optimizer_and_schedule(model, cfg)
+    batch = _batch(vocab)
+
+    def run():
+        s, _ = token_loss_sum(model, batch, packed=True)
+        s.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    m = measure_step(run, model, opt, step=1)
+    est = memory.estimate_from_config(cfg, vocab)
+    phase = est.detail.get("phases", {}).get("warm_start" if warming_up(model) else "factorized")
+    want = phase or {"weights": est.weights, "grads": est.grads, "optimizer_state": est.optimizer_state}
+    assert m["weights"] == want["weights"]
+    assert m["gradients"] == want["grads"]
+    # adamw_8bit shares one quantile map (qmap1, qmap2) between every parameter's state: held once,
+    # measured once, while the estimator and measured_state_bytes count it per parameter.
+    shared = _shared_state_bytes(opt)
+    assert m["optimizer_state"] + shared == want["optimizer_state"] == optimizers.measured_state_bytes(opt)
+    assert m["activations"] > 0 and m["peak"] >= sum(m["at_peak"].values())
+
+
+def test_default_memory_steps_follow_the_registries():
+    over = _tiny_overrides() + ["train.max_steps=300"]
+    assert memory_steps(load_config(ROOT / "recipes/tiny/adamw.yaml", over)) == [1]
+    galore = load_config(ROOT / "recipes/tiny/galore.yaml", over)
+    assert memory_steps(galore) == [1, galore.optim.update_proj_gap + 1]
+    restarts = load_config(ROOT / "recipes/tiny/lowrank_restarts.yaml", over)
+    assert memory_steps(restarts) == [1, restarts.restarts.every]
+    short = load_config(ROOT / "recipes/tiny/galore.yaml", _tiny_overrides() + ["train.max_steps=10"])
+    assert memory_steps(short) == [1]  # the refresh falls after the run
+    assert memory_steps(load_config(None, over + ["train.memory_steps=[]"])) == []
+    assert memory_steps(load_config(None, over + ["train.memory_steps=[5,2]"])) == [2, 5]
+
+
+def test_trainer_records_measured_steps_only(tmp_path):
+    over = _tiny_overrides() + [
+        "train.max_steps=4",
+        "train.eval_every=0",
+        "train.eval_tokens=256",
+        "train.memory_steps=[2,4]",
+    ]
+    cfg = load_config(ROOT / "recipes/tiny/adamw.yaml", over)
+    summary = train(cfg, tmp_path / "run")
+    events = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    mem = [e for e in events if e.get("event") == "memory"]
+    assert [e["step"] for e in mem] == [2, 4]
+    est = summary["estimated"]
+    for e in mem:
+        assert e["estimate"]["optimizer_state"] == est["optimizer_state"]
+        assert e["measured"]["optimizer_state"] == est["optimizer_state"]
+        assert e["measured"]["weights"] == est["weights"] and e["measured"]["gradients"] == est["grads"]
+    mm = json.loads((tmp_path / "run" / "summary.json").read_text())["memory_measured"]
+    assert [s["step"] for s in mm["steps"]] == [2, 4]
+    assert mm["max"]["peak"] == max(s["peak"] for s in mm["steps"])
+    assert set(CATEGORIES) <= set(mm["max"])
+    assert len(mm["ranks"]) == 1 and mm["ranks"][0]["steps"] == mm["steps"]
