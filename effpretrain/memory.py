@@ -335,8 +335,8 @@ def loss_bytes(
 
     ``standard``: the (N, V) logits at e, an fp32 copy when e is not fp32, the fp32 log-softmax
     saved for backward (4 N V) with the labels (8 N) and the reduction's weight (4); its backward
-    holds the NLL's (N, V) gradient and the log-softmax's input gradient (2 x 4 N V) plus, when e
-    is not fp32, that gradient cast back (e N V).
+    holds the NLL's (N, V) gradient and the log-softmax's input gradient (2 x 4 N V) beside the
+    saved log-softmax (the cast of that gradient back to e comes after both are freed).
     ``chunked`` (C = min(`chunk`, N) rows at a time, never the (N, V) logits): saves one fp32
     logsumexp per token (4 N) and the labels (8 N) (the final hidden states are the final norm's
     output, already counted); its transients are two (C, V) fp32 blocks (logits and their
@@ -348,8 +348,7 @@ def loss_bytes(
         return LossBytes(12 * N, 8 * C * V, 8 * C * V + 4 * C * hidden + e * N * hidden)
     if kind != "standard":
         raise ValueError(f"unknown loss {kind!r}; choose one of standard, chunked")
-    cast = N * V * e if e != 4 else 0
-    return LossBytes(4 * N * V + 8 * N + 4, N * V * e + (4 * N * V if e != 4 else 0), 8 * N * V + cast)
+    return LossBytes(4 * N * V + 8 * N + 4, N * V * e + (4 * N * V if e != 4 else 0), 8 * N * V)
 
 
 @dataclass(frozen=True)
@@ -738,15 +737,17 @@ def saved_tensor_bytes(fn: Any) -> tuple[int, Any]:
     return sum(storages.values()), out
 
 
-def format_table(est: Estimate) -> str:
-    """A human-readable breakdown in GB (1e9 bytes)."""
+def format_table(est: Estimate, top: int = 4) -> str:
+    """A human-readable breakdown in GB (1e9 bytes): the sums, then the peak, the moment it is
+    reached and its `top` largest terms."""
     rows = [
         ("weights", est.weights),
         ("gradients", est.grads),
         ("optimizer state", est.optimizer_state),
-        ("activations (approx.)", est.activations),
+        ("activations", est.activations),
         ("weights + optimizer", est.weights_plus_optimizer),
         ("total", est.total),
+        ("peak", est.peak),
     ]
     d = est.detail
     head = (
@@ -756,4 +757,7 @@ def format_table(est: Estimate) -> str:
     )
     lines = [head, f"  params {est.params:,}  trainable {est.trainable_params:,}"]
     lines += [f"  {name:<24}{b / 1e9:>10.3f} GB  ({b:,} B)" for name, b in rows]
+    terms = sorted(d.get("peak_terms", {}).items(), key=lambda kv: -kv[1])[:top]
+    lines.append(f"  peak at {d.get('peak_moment', '?')} ({d.get('peak_phase', '?')}), largest terms:")
+    lines += [f"    {name:<22}{b / 1e9:>10.3f} GB" for name, b in terms]
     return "\n".join(lines)

@@ -59,25 +59,38 @@ def _dense_update_transient(shape: tuple[int, ...], group: dict[str, Any], dtype
 
 
 def _projected_transient(shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
-    """A projected m x n matrix at a basis refresh (the step's largest moment): the fp32 copy of
-    the gradient (``4 m n``), a thin SVD's workspace (``4 (m k + k + k n)``, an upper bound for
-    the randomized and random bases) and the full-size update projected back (``m n s``).
-    Unprojected tensors: `_dense_update_transient`."""
+    """`ProjectedAdam` (GaLore, Fira, APOLLO): an unprojected tensor's step holds one full-size
+    temporary (``numel s``, measured); a projected m x n matrix at a basis refresh (its largest
+    step) the fp32 copy of the gradient (``4 m n``), a thin SVD's workspace (``4 (m k + k + k n)``,
+    an upper bound for the randomized and random bases) and the full-size update projected back
+    (``m n s``)."""
     if "rank" not in group or len(shape) != 2:
-        return _dense_update_transient(shape, group, dtype)
+        return math.prod(shape) * dtype.itemsize
     m, n = shape
     k = min(m, n)
     return 4 * m * n + 4 * (m * k + k + k * n) + m * n * dtype.itemsize
 
 
 def _dequantised_transient(shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
-    """8-bit moments: both moments dequantised to fp32 for the update (``2 * 4`` per moment
-    element: ``numel`` for a dense tensor, ``k max(m, n)`` for a projected matrix), on top of the
-    unquantised method's transient."""
+    """`ProjectedAdam` with 8-bit moments (GaLore 8-bit): the moments dequantised to fp32
+    (``2 * 4`` per moment element), the update (``s`` per element) and the re-quantised codes
+    (``2`` per element), per moment element: ``numel`` for an unprojected tensor (measured),
+    ``k max(m, n)`` for a projected matrix, whose refresh adds `_projected_transient`."""
     if "rank" in group and len(shape) == 2:
-        moments = min(shape) * max(shape) if group["rank"] >= min(shape) else group["rank"] * max(shape)
-        return 8 * moments + _projected_transient(shape, group, dtype)
-    return 8 * math.prod(shape) + _dense_update_transient(shape, group, dtype)
+        elements = min(group["rank"], *shape) * max(shape)
+        return (10 + dtype.itemsize) * elements + _projected_transient(shape, group, dtype)
+    return (10 + dtype.itemsize) * math.prod(shape)
+
+
+def _clipped_update_transient(shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+    """Stable-SPAM: its adaptive clipping and norm scaling each make a full-size copy of the
+    gradient before the Adam update's own temporary: ``3 numel s`` (measured)."""
+    return 3 * math.prod(shape) * dtype.itemsize
+
+
+def _fused_transient(shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+    """bitsandbytes' fused 8-bit AdamW kernel dequantises block by block: no full-size temporary."""
+    return 0
 
 
 @dataclass(frozen=True)
@@ -202,12 +215,13 @@ METHODS: dict[str, MethodSpec] = {
         _spec(
             name="adamw_8bit",
             target="optimizers.adamw_8bit:AdamW8bit",
-            step_transient_fn=_dequantised_transient,
+            step_transient_fn=_fused_transient,
         ),
         _spec(
             name="stable_spam",
             target="optimizers.stable_spam:StableSPAM",
             needs_total_steps=True,
+            step_transient_fn=_clipped_update_transient,
         ),
         _spec(
             name="spam",
