@@ -375,7 +375,7 @@ def activation_terms(
     *,
     rank_inputs: int = 0,
     rank: int = 0,
-    linear_weights: int = 0,
+    linear_weights: tuple[int, int] = (0, 0),
     loss: str = "standard",
     loss_chunk_tokens: int = 4096,
 ) -> Activations:
@@ -386,13 +386,17 @@ def activation_terms(
     the activation itemsize e); a checkpointed block (in `checkpointed`) keeps only its input
     (``N h`` at the residual itemsize). The base: token ids (8 N), the RoPE cos/sin tables
     (2 T d at the residual itemsize, saved once unless every block is checkpointed), the final
-    norm (``final_norm_h N h + 4 N``) and, under autocast, the bf16 copy of every linear weight
-    (`linear_weights` elements). The loss's part is `loss_bytes`.
+    norm (``final_norm_h N h + 4 N``) and, under autocast, the bf16 copy of the head's weight;
+    under autocast a full block also saves the bf16 copies of its linear weights (a checkpointed
+    block casts them again in its recompute). `linear_weights`: (elements of one block's linear
+    weights, of the head's). The loss's part is `loss_bytes`.
     """
     p, sb, e = PRESETS[preset], SAVED_BYTES[dtype], precision(dtype).activations.itemsize
     V, N = vocab_size or p.vocab, batch_size * seq_len
     full = (
-        N * (sb.block_h * p.hidden + sb.mlp_i * p.intermediate + 8 + 4 * p.heads) + rank_inputs * N * rank * e
+        N * (sb.block_h * p.hidden + sb.mlp_i * p.intermediate + 8 + 4 * p.heads)
+        + rank_inputs * N * rank * e
+        + sb.weight_cast * linear_weights[0]
     )
     blocks = tuple(N * p.hidden * sb.residual if i in checkpointed else full for i in range(p.layers))
     rope = (
@@ -400,7 +404,7 @@ def activation_terms(
         if all(i in checkpointed for i in range(p.layers))
         else 2 * seq_len * (p.hidden // p.heads) * sb.residual
     )
-    base = 8 * N + rope + N * (sb.final_norm_h * p.hidden + 4) + sb.weight_cast * linear_weights
+    base = 8 * N + rope + N * (sb.final_norm_h * p.hidden + 4) + sb.weight_cast * linear_weights[1]
     lb = loss_bytes(loss, N, V, p.hidden, precision(dtype).activations, loss_chunk_tokens)
     return Activations(blocks, full, base, lb)
 
@@ -425,6 +429,26 @@ def activation_bytes(
     (`activation_terms`)."""
     ck = checkpointed_layers(activation_checkpointing, PRESETS[preset].layers)
     return activation_terms(preset, vocab_size, batch_size, seq_len, ck, dtype).total
+
+
+def _linear_elements(
+    shapes: Iterable[ParamShape], factor: FactorSpec | None, targets: Sequence[str], rank: int, density: float
+) -> tuple[int, int]:
+    """Elements of one decoder block's linear weights (a factorized target's factors, sparse values
+    and frozen W0) and of the head's: what autocast casts to bf16 in a forward."""
+    block = head = 0
+    for s in shapes:
+        if s.linear is None or _layer_of(s.name) not in (0, None):
+            continue
+        n = math.prod(s.shape)
+        if factor is not None and s.linear in targets:
+            counts = factor.param_counts(*s.shape, rank, density)
+            n = counts["trainable"] + counts["frozen"]
+        if _layer_of(s.name) == 0:
+            block += n
+        else:
+            head += n
+    return block, head
 
 
 def _layer_of(name: str) -> int | None:
@@ -587,7 +611,7 @@ def estimate(
         dtype,
         rank_inputs=len(set(targets) & set(ATTN_MLP_TARGETS)) if saves_rank else 0,
         rank=factor_rank,
-        linear_weights=sum(math.prod(s.shape) for s in shapes if s.linear is not None),
+        linear_weights=_linear_elements(shapes, factor, targets, factor_rank, density),
         loss=loss,
         loss_chunk_tokens=loss_chunk_tokens,
     )
