@@ -357,3 +357,45 @@ def test_auto_checkpointing_refuses_a_budget_nothing_fits():
 
     with pytest.raises(ConfigError, match=r"train.memory_budget_gb=0.1: nothing fits; .* peak is 0.30\d GB"):
         plan_checkpointing(_llama_20m_auto(0.1), 8192)
+
+
+def _tiny_auto(tiny_overrides, budget_gb):
+    from effpretrain.config import load_config
+
+    over = [*tiny_overrides, "train.max_steps=1", "train.eval_every=0", "train.activation_checkpointing=auto"]
+    return load_config(
+        ROOT / "recipes" / "tiny" / "adamw.yaml", [*over, f"train.memory_budget_gb={budget_gb}"]
+    )
+
+
+def test_auto_checkpointing_run_logs_its_choice(tmp_path, tiny_overrides, caplog):
+    import logging
+
+    from effpretrain.memory import plan_checkpointing
+    from effpretrain.trainer import train
+
+    probe = _tiny_auto(tiny_overrides, 1.0)
+    none = estimate_from_config(probe, 512, checkpointed=[]).peak
+    full = estimate_from_config(probe, 512, checkpointed=range(4)).peak
+    cfg = _tiny_auto(tiny_overrides, round((none + full) / 2e9, 6))
+    layers, est = plan_checkpointing(cfg, 512)
+    assert 0 < len(layers) < 4
+    with caplog.at_level(logging.INFO, logger="effpretrain"):
+        train(cfg, tmp_path / "run")
+    assert f"activation_checkpointing=auto: layers {layers} within" in caplog.text
+    assert f"(estimated peak {est.peak / 1e9:.3f} GB)" in caplog.text
+
+
+def test_auto_checkpointing_budget_nothing_fits_exits_2(tmp_path, tiny_overrides):
+    import os
+    import subprocess
+    import sys
+
+    sets = [*tiny_overrides, "train.activation_checkpointing=auto", "train.memory_budget_gb=0.001"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    args = [sys.executable, "-m", "effpretrain", "train", str(ROOT / "recipes" / "tiny" / "adamw.yaml")]
+    args += [f"--set={s}" for s in sets] + ["--out", str(tmp_path / "run")]
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "train.memory_budget_gb=0.001: nothing fits" in lines[0]
