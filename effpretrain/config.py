@@ -91,7 +91,7 @@ BOOL_AS_INT = "bool-as-int"
 
 POSITIVE = Check("> 0", lambda v: v > 0)
 NON_NEGATIVE = Check(">= 0", lambda v: v >= 0)
-CHECKPOINTING = Check("an integer >= 0 or auto", lambda v: v == "auto" or (isinstance(v, int) and v >= 0))
+CHECKPOINTING = Check("(an int >= 0, or `auto`)", lambda v: v == "auto" or (isinstance(v, int) and v >= 0))
 FRACTION = Check("in [0, 1]", lambda v: 0 <= v <= 1)
 BETA = Check("in [0, 1)", lambda v: 0 <= v < 1)
 # numpy's seed range: accelerate's set_seed seeds numpy too.
@@ -296,7 +296,7 @@ class TrainConfig:
     activation_checkpointing: Annotated[int | str, CHECKPOINTING, BOOL_AS_INT] = 0
     """0 (or false): off; k: checkpoint every k-th decoder layer (1 or true: all); `auto`: the
     fewest layers whose checkpointing brings the estimated peak within `train.memory_budget_gb`
-    (README: Memory)."""
+    (README: Memory estimate)."""
     memory_budget_gb: PositiveFloat | None = None
     """Per-rank memory budget (GB = 1e9 bytes) that `activation_checkpointing: auto` fits the
     estimated peak into."""
