@@ -6,11 +6,17 @@ Estimate, per rank, in bytes:
 - grads: trainable parameters at the gradient dtype (= parameter dtype);
 - optimizer_state: the method's exact formula per parameter (`MethodSpec.state_bytes`), which
   for each class is the same formula its docstring states and its tests check;
-- activations: saved-for-backward tensors of a LLaMA block with SDPA attention, per token,
-  ``(8 h + 4 i)`` elements (norm inputs/outputs, q/k/v, attention output, the four MLP
-  intermediates); a checkpointed block keeps only its input ``h`` and one block is recomputed at a
-  time; plus the logits (``V`` at the activation dtype and in fp32 for the loss). An approximation,
-  stated as such.
+- activations: the tensors autograd saves for backward in one micro-batch, as HF's LLaMA block
+  (SDPA attention, SiLU MLP, RMSNorm) and the factorized layers really save them, per precision
+  (`SAVED_BYTES`, `activation_terms`; equal to the measured saved bytes), a checkpointed block
+  keeping only its input, plus what the loss saves (`loss_bytes`);
+- peak: the largest live total at any moment of a step (`peak_moments`): the end of the forward,
+  the loss's backward, each block's backward (with a checkpointed block's recompute) and the
+  optimizer step with the method's transients (`MethodSpec.step_transient_bytes`) and a
+  restart's (`FactorSpec.restart_transient_bytes`); gradients held across accumulation
+  micro-steps, DDP buckets and FSDP2's gathered units included. ``detail["peak_phase"]``
+  ("forward_backward" or "optimizer_step"), ``detail["peak_moment"]`` and
+  ``detail["peak_terms"]`` say where it is reached and of what it is made.
 
 The parameter shapes are those of the preset's LlamaForCausalLM built on PyTorch's meta device
 (shapes only, no storage); a factorized target's tensors come from `FactorSpec.param_counts`
