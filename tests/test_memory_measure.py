@@ -5,10 +5,12 @@ on the chosen steps only, and refused up front when a run cannot fit (pre-flight
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from distributed_helpers import run_worker_pair
 
 import optimizers
 from effpretrain import memory
@@ -174,3 +176,76 @@ def test_trainer_records_measured_steps_only(tmp_path):
     assert mm["max"]["peak"] == max(s["peak"] for s in mm["steps"])
     assert set(CATEGORIES) <= set(mm["max"])
     assert len(mm["ranks"]) == 1 and mm["ranks"][0]["steps"] == mm["steps"]
+
+
+DDP_WORKER = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+    import torch
+    import torch.distributed as dist
+    from effpretrain.config import load_config
+    from effpretrain.memory_measure import measure_step
+    from effpretrain.trainer import train
+
+    root, out, mode, common = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4:]
+    recipe = root / "recipes" / "tiny" / "adamw.yaml"
+    if mode == "one":  # the same micro-batches of 2 rows, one after the other
+        train(load_config(recipe, common + ["train.batch_size=2", "train.grad_accum=2"]), out / "1p")
+        sys.exit(0)
+    train(load_config(recipe, common + ["train.batch_size=2"]), out / "2p")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rows = {}
+    for view in (True, False):  # a plain DDP both ways: the measurement sees bucket copies
+        torch.manual_seed(0)
+        # Four equal layers: one layer's gradient, the most that is transiently outside the
+        # buckets (autograd's result before DDP copies it in), is a quarter of the whole.
+        net = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(4)))
+        ddp = torch.nn.parallel.DistributedDataParallel(net, gradient_as_bucket_view=view)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        x = torch.randn(4, 256)
+
+        def run():
+            ddp(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        run()  # step 1 rebuilds the buckets in the order gradients arrive
+        rows[str(view)] = measure_step(run, ddp, opt, step=2)
+    if dist.get_rank() == 0:
+        (out / "toy.json").write_text(json.dumps(rows))
+    """
+)
+
+
+def test_ddp_gradients_are_bucket_views_no_second_copy(tmp_path):
+    """Acceptance 3: under 2-process DDP (gloo) a rank's measured gradient memory is one full
+    gradient (the buckets are the gradients), and its peak has no extra full-gradient term over one
+    process running the same micro-batches; a plain DDP without gradient_as_bucket_view shows the
+    measurement does see that second copy."""
+    common = [
+        "data.seq_len=32",
+        "data.vocab_size=512",
+        "train.eval_tokens=256",
+        "train.max_steps=2",
+        "train.eval_every=0",
+        "train.plot=false",
+        "train.memory_steps=[2]",
+    ]
+    run_worker_pair(DDP_WORKER, tmp_path, common)
+    one = json.loads((tmp_path / "1p" / "summary.json").read_text())
+    two = json.loads((tmp_path / "2p" / "summary.json").read_text())
+    grads = one["estimated"]["grads"]
+    ranks = two["memory_measured"]["ranks"]
+    assert len(ranks) == 2 and two["world_size"] == 2
+    for r in ranks:
+        m = r["steps"][0]
+        assert m["step"] == 2
+        assert m["gradients"] == grads == two["estimated"]["grads"]
+        assert m["peak"] <= one["memory_measured"]["max"]["peak"] + grads // 4
+    toy = json.loads((tmp_path / "toy.json").read_text())
+    toy_grads = 4 * 4 * (256 * 256 + 256)
+    assert toy["True"]["gradients"] == toy["False"]["gradients"] == toy_grads
+    assert toy["True"]["temporaries"] < toy_grads // 2
+    assert toy["False"]["temporaries"] >= toy_grads
