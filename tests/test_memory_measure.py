@@ -5,6 +5,10 @@ on the chosen steps only, and refused up front when a run cannot fit (pre-flight
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -16,7 +20,7 @@ import optimizers
 from effpretrain import memory
 from effpretrain.config import load_config
 from effpretrain.loss import token_loss_sum
-from effpretrain.memory_measure import CATEGORIES, measure_step
+from effpretrain.memory_measure import CATEGORIES, device_memory_limit, measure_step
 from effpretrain.models.factorized import warming_up
 from effpretrain.optim_setup import build_optimizer_and_schedule
 from effpretrain.run_model import build_run_model
@@ -249,3 +253,55 @@ def test_ddp_gradients_are_bucket_views_no_second_copy(tmp_path):
     assert toy["True"]["gradients"] == toy["False"]["gradients"] == toy_grads
     assert toy["True"]["temporaries"] < toy_grads // 2
     assert toy["False"]["temporaries"] >= toy_grads
+
+
+def test_preflight_refuses_llama_1b_adamw_fp32_batch_64_within_seconds(tmp_path):
+    """Acceptance 5: its estimated peak (tens of GB per process) exceeds this machine's memory; the
+    run exits 2 in one line naming the estimate, before any data or model is built."""
+    import resource
+
+    from effpretrain import memory
+
+    cfg = load_config(ROOT / "recipes/llama_1b/adamw.yaml", ["train.precision=fp32", "train.batch_size=64"])
+    est = memory.estimate_from_config(cfg, None)
+    peak = getattr(est, "peak", est.total)
+    limit, _ = device_memory_limit(torch.device("cpu"))
+    assert peak > limit  # the premise on this machine
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    args = ["recipes/llama_1b/adamw.yaml", "--out", str(tmp_path / "run")]
+    args += ["--set", "train.precision=fp32", "--set", "train.batch_size=64"]
+    # CPU seconds of the child (imports, the meta-device estimate): wall time on a shared machine
+    # says more about the other processes than about this check.
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = subprocess.run(
+        [sys.executable, "-m", "effpretrain", "train", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    took = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert f"estimated peak memory {peak / 1e9:.2f} GB" in lines[0]
+    # (available RAM moves between two reads: the figure itself is not compared)
+    assert re.search(r"exceeds available RAM, [0-9.]+ GB \(biggest term: activations ", lines[0])
+    assert "--allow-oversubscribe" in lines[0]
+    assert took < 20, took
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_allow_oversubscribe_skips_the_preflight(tmp_path, monkeypatch):
+    from effpretrain import memory_measure
+    from effpretrain.errors import ConfigError
+
+    monkeypatch.setattr(memory_measure, "device_memory_limit", lambda device: (1000, "a 1 kB test limit"))
+    over = _tiny_overrides() + ["train.max_steps=1", "train.eval_every=0", "train.eval_tokens=256"]
+    cfg = load_config(ROOT / "recipes/tiny/adamw.yaml", over)
+    with pytest.raises(ConfigError, match=r"exceeds a 1 kB test limit, 0.00 GB \(biggest term: "):
+        train(cfg, tmp_path / "refused")
+    assert not (tmp_path / "refused" / "metrics.jsonl").exists()
+    summary = train(cfg, tmp_path / "run", allow_oversubscribe=True)
+    assert summary["steps"] == 1
