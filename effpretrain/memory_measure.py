@@ -237,11 +237,15 @@ class _Step:
     def params(self) -> list[torch.Tensor]:
         return list(self.model.parameters())
 
-    def collect(self) -> None:
-        """Registers the storages of the weights, the current gradients and optimizer state."""
+    def collect(self, weights: bool = False) -> None:
+        """Registers the storages of the current gradients and optimizer state, and with `weights`
+        those of the parameters and persistent buffers: only outside forward and backward, where
+        FSDP2's modules hold gathered copies of their parameters (and state_dict() would put the
+        sharded ones back in the middle of a forward)."""
         reg = self.reg
-        reg.add("weights", self.params())
-        reg.add("weights", self.model.state_dict(keep_vars=True).values())
+        if weights:
+            reg.add("weights", self.params())
+            reg.add("weights", _persistent_buffers(self.model))
         reg.add("gradients", (p.grad for p in self.params() if p.grad is not None))
         reg.add("optimizer_state", (v for st in self.opt.state.values() for v in st.values()))
 
@@ -303,6 +307,14 @@ class _Step:
         return call
 
 
+def _persistent_buffers(model: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """The buffers a state_dict holds (SLTrain's sparse index; not rotary's inv_freq)."""
+    for mod in model.modules():
+        for name, b in mod._buffers.items():
+            if b is not None and name not in mod._non_persistent_buffers_set:
+                yield b
+
+
 def _device(model: torch.nn.Module) -> torch.device:
     p = next(iter(model.parameters()), None)
     return _local(p).device if p is not None else torch.device("cpu")
@@ -325,9 +337,9 @@ def measure_step(run_step: Callable[[], Any], model: torch.nn.Module, optimizer:
     meter = _Meter(rec.reg) if rec.cuda is None else contextlib.nullcontext()
     try:
         with rec.hooks(), meter:
-            rec.collect()
+            rec.collect(weights=True)
             run_step()
-            rec.collect()
+            rec.collect(weights=True)
             rec.enter("end")
         return _result(rec, step, device)
     finally:
