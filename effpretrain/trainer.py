@@ -161,7 +161,7 @@ class Trainer:
         model, self.factor_report = build_run_model(self.cfg, self.tok.vocab_size)
         if self.cfg.factor.warm_start_steps:
             begin_warm_start_(model)  # before DDP wraps it: DDP reduces what requires grad now
-        set_activation_checkpointing(model, t.activation_checkpointing)
+        set_activation_checkpointing(model, self._checkpointed_layers())
         if t.precision == "bf16-pure":
             model = model.to(torch.bfloat16)
         model = model.to(self.acc.device)
@@ -170,6 +170,20 @@ class Trainer:
         if self.fsdp:
             model = fsdp.apply_fsdp2(model)
         return model
+
+    def _checkpointed_layers(self) -> int | list[int]:
+        """`train.activation_checkpointing`; for ``auto`` the estimator's plan, logged."""
+        t = self.cfg.train
+        if t.activation_checkpointing != "auto":
+            return t.activation_checkpointing
+        layers, est = memory.plan_checkpointing(self.cfg, self.tok.vocab_size, self.world, self._sharding())
+        log.info(
+            "activation_checkpointing=auto: layers %s within %g GB (estimated peak %.3f GB)",
+            layers,
+            t.memory_budget_gb,
+            est.peak / 1e9,
+        )
+        return layers
 
     def _set_up_model_and_optimizer(self, model: torch.nn.Module) -> None:
         opt, self.sched = build_optimizer_and_schedule(model, self.cfg)
