@@ -305,3 +305,20 @@ def test_allow_oversubscribe_skips_the_preflight(tmp_path, monkeypatch):
     assert not (tmp_path / "refused" / "metrics.jsonl").exists()
     summary = train(cfg, tmp_path / "run", allow_oversubscribe=True)
     assert summary["steps"] == 1
+
+
+def test_measuring_a_step_leaves_training_bitwise_unchanged(tmp_path):
+    from safetensors.torch import load_file
+
+    over = _tiny_overrides() + ["train.max_steps=3", "train.eval_every=0", "train.eval_tokens=256"]
+    for name, steps in (("measured", "[1,2,3]"), ("plain", "[]")):
+        train(
+            load_config(ROOT / "recipes/tiny/galore.yaml", over + [f"train.memory_steps={steps}"]),
+            tmp_path / name,
+        )
+    a, b = (
+        load_file(str(tmp_path / n / "checkpoints" / "step-3" / "model.safetensors"))
+        for n in ("measured", "plain")
+    )
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((tmp_path / "plain" / "summary.json").read_text())["memory_measured"] is None
