@@ -67,6 +67,7 @@ __all__ = [
     "check_fits",
     "device_memory_limit",
     "measure_step",
+    "process_peak_bytes",
 ]
 
 #: The categories in priority order: a storage shared by two counts in the first.
@@ -207,18 +208,38 @@ def _replay(reg: _Registry) -> tuple[int, set[int], str]:
     return peak, live, phase
 
 
+#: Per CUDA device, the allocator's largest peak that a measured step's resets took away from
+#: ``max_memory_allocated`` (`process_peak_bytes` puts it back).
+_CUDA_PEAK_FLOOR: dict[str, int] = {}
+
+
+def _raise_floor(device: torch.device) -> None:
+    key = str(device)
+    _CUDA_PEAK_FLOOR[key] = max(_CUDA_PEAK_FLOOR.get(key, 0), int(torch.cuda.max_memory_allocated(device)))
+
+
+def process_peak_bytes(device: torch.device) -> int:
+    """`effpretrain.memory.peak_memory_bytes` (CUDA max allocated, or the process's peak RSS),
+    including the CUDA peaks from before a measured step's per-phase resets."""
+    from effpretrain.memory import peak_memory_bytes
+
+    return max(peak_memory_bytes(device), _CUDA_PEAK_FLOOR.get(str(device), 0))
+
+
 class _CudaPhases:
     """The allocator's peak per phase (reset at each boundary) and category snapshots there."""
 
     def __init__(self, device: torch.device, snapshot: Callable[[], dict[str, int]]) -> None:
         self.device, self.snapshot = device, snapshot
         self.peaks: list[tuple[int, str, dict[str, int], dict[str, int]]] = []
+        _raise_floor(device)
         torch.cuda.reset_peak_memory_stats(device)
         self.start = snapshot()
 
     def boundary(self, phase: str) -> None:
         end = self.snapshot()
         self.peaks.append((int(torch.cuda.max_memory_allocated(self.device)), phase, self.start, end))
+        _raise_floor(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         self.start = end
 

@@ -373,7 +373,7 @@ class Trainer:
                 "lr": self.sched.get_last_lr()[0],
                 "grad_norm": gnorm,
                 "tokens_per_s": self.tokens_per_step / max(clock.since_step_start(), 1e-9),
-                "peak_memory_bytes": memory.peak_memory_bytes(self.acc.device),
+                "peak_memory_bytes": memory_measure.process_peak_bytes(self.acc.device),
                 "optimizer_state_bytes": optimizers.measured_state_bytes(self.inner_opt),
                 **opt_telemetry(self.inner_opt),
                 "opt/step_s": self.opt_seconds,
