@@ -49,6 +49,11 @@ def _add_train(sub) -> None:
         action="store_true",
         help="resume even if model/method/batch/data differ from the checkpoint's",
     )
+    t.add_argument(
+        "--allow-oversubscribe",
+        action="store_true",
+        help="run even when the estimated peak memory exceeds the device's (the pre-flight check)",
+    )
 
 
 def _add_estimate(sub) -> None:
@@ -105,7 +110,7 @@ def cmd_train(args) -> int:
     cfg = load_config(recipe, args.overrides)
     out = Path(args.out) if args.out else _default_out(cfg, args.resume)
     try:
-        summary = train(cfg, out, args.resume, args.allow_config_change)
+        summary = train(cfg, out, args.resume, args.allow_config_change, args.allow_oversubscribe)
     except NonFiniteError as e:
         print(f"effpretrain: training stopped: {e}", file=sys.stderr)
         return 3

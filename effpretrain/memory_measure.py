@@ -48,8 +48,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,7 +60,15 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 
 from optimizers._sharded import local as _local
 
-__all__ = ["CATEGORIES", "MEASURED_KEYS", "measure_step"]
+__all__ = [
+    "CATEGORIES",
+    "MEASURED_KEYS",
+    "biggest_term",
+    "check_fits",
+    "device_memory_limit",
+    "measure_step",
+    "process_peak_bytes",
+]
 
 #: The categories in priority order: a storage shared by two counts in the first.
 CATEGORIES: tuple[str, ...] = ("weights", "gradients", "optimizer_state", "activations")
@@ -198,18 +208,38 @@ def _replay(reg: _Registry) -> tuple[int, set[int], str]:
     return peak, live, phase
 
 
+#: Per CUDA device, the allocator's largest peak that a measured step's resets took away from
+#: ``max_memory_allocated`` (`process_peak_bytes` puts it back).
+_CUDA_PEAK_FLOOR: dict[str, int] = {}
+
+
+def _raise_floor(device: torch.device) -> None:
+    key = str(device)
+    _CUDA_PEAK_FLOOR[key] = max(_CUDA_PEAK_FLOOR.get(key, 0), int(torch.cuda.max_memory_allocated(device)))
+
+
+def process_peak_bytes(device: torch.device) -> int:
+    """`effpretrain.memory.peak_memory_bytes` (CUDA max allocated, or the process's peak RSS),
+    including the CUDA peaks from before a measured step's per-phase resets."""
+    from effpretrain.memory import peak_memory_bytes
+
+    return max(peak_memory_bytes(device), _CUDA_PEAK_FLOOR.get(str(device), 0))
+
+
 class _CudaPhases:
     """The allocator's peak per phase (reset at each boundary) and category snapshots there."""
 
     def __init__(self, device: torch.device, snapshot: Callable[[], dict[str, int]]) -> None:
         self.device, self.snapshot = device, snapshot
         self.peaks: list[tuple[int, str, dict[str, int], dict[str, int]]] = []
+        _raise_floor(device)
         torch.cuda.reset_peak_memory_stats(device)
         self.start = snapshot()
 
     def boundary(self, phase: str) -> None:
         end = self.snapshot()
         self.peaks.append((int(torch.cuda.max_memory_allocated(self.device)), phase, self.start, end))
+        _raise_floor(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         self.start = end
 
@@ -228,11 +258,15 @@ class _Step:
     def params(self) -> list[torch.Tensor]:
         return list(self.model.parameters())
 
-    def collect(self) -> None:
-        """Registers the storages of the weights, the current gradients and optimizer state."""
+    def collect(self, weights: bool = False) -> None:
+        """Registers the storages of the current gradients and optimizer state, and with `weights`
+        those of the parameters and persistent buffers: only outside forward and backward, where
+        FSDP2's modules hold gathered copies of their parameters (and state_dict() would put the
+        sharded ones back in the middle of a forward)."""
         reg = self.reg
-        reg.add("weights", self.params())
-        reg.add("weights", self.model.state_dict(keep_vars=True).values())
+        if weights:
+            reg.add("weights", self.params())
+            reg.add("weights", _persistent_buffers(self.model))
         reg.add("gradients", (p.grad for p in self.params() if p.grad is not None))
         reg.add("optimizer_state", (v for st in self.opt.state.values() for v in st.values()))
 
@@ -294,6 +328,14 @@ class _Step:
         return call
 
 
+def _persistent_buffers(model: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """The buffers a state_dict holds (SLTrain's sparse index; not rotary's inv_freq)."""
+    for mod in model.modules():
+        for name, b in mod._buffers.items():
+            if b is not None and name not in mod._non_persistent_buffers_set:
+                yield b
+
+
 def _device(model: torch.nn.Module) -> torch.device:
     p = next(iter(model.parameters()), None)
     return _local(p).device if p is not None else torch.device("cpu")
@@ -316,9 +358,9 @@ def measure_step(run_step: Callable[[], Any], model: torch.nn.Module, optimizer:
     meter = _Meter(rec.reg) if rec.cuda is None else contextlib.nullcontext()
     try:
         with rec.hooks(), meter:
-            rec.collect()
+            rec.collect(weights=True)
             run_step()
-            rec.collect()
+            rec.collect(weights=True)
             rec.enter("end")
         return _result(rec, step, device)
     finally:
@@ -348,3 +390,63 @@ def _result(rec: _Step, step: int, device: torch.device) -> dict:
         "step": int(step),
         "device": device.type,
     }
+
+
+# ----------------------------------------------------------------------------------------------
+# Pre-flight: refuse a run whose estimated peak cannot fit, before anything is built.
+
+
+def device_memory_limit(device: torch.device) -> tuple[int, str]:
+    """Bytes one process may use on `device`, and what that figure is.
+
+    CUDA: the device's total memory. CPU: the available RAM (``MemAvailable`` from
+    /proc/meminfo, else free pages x page size) divided by the processes on this machine
+    (``LOCAL_WORLD_SIZE``), since they share it.
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory), f"{device} total memory"
+    avail = _mem_available()
+    local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
+    what = "available RAM" + (f" / {local} local processes" if local > 1 else "")
+    return avail // local, what
+
+
+def _mem_available() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def biggest_term(est: Any) -> tuple[str, int]:
+    """The largest term of an `effpretrain.memory.Estimate`'s peak (its ``peak_terms`` when the
+    estimator gives them, else the largest of weights, grads, optimizer state, activations)."""
+    terms = est.detail.get("peak_terms") or {
+        "weights": est.weights,
+        "grads": est.grads,
+        "optimizer_state": est.optimizer_state,
+        "activations": est.activations,
+    }
+    name = max(terms, key=lambda k: terms[k])
+    return name, int(terms[name])
+
+
+def check_fits(est: Any, device: torch.device) -> None:
+    """ConfigError (one line: the estimate, the limit, the biggest term) when the estimate's
+    per-rank peak (``peak``; ``total`` for an estimator without one) exceeds
+    `device_memory_limit`."""
+    from effpretrain.errors import ConfigError
+
+    peak = int(getattr(est, "peak", est.total))
+    limit, what = device_memory_limit(device)
+    if peak <= limit:
+        return
+    name, size = biggest_term(est)
+    raise ConfigError(
+        f"estimated peak memory {peak / 1e9:.2f} GB per process exceeds {what}, {limit / 1e9:.2f} GB "
+        f"(biggest term: {name} {size / 1e9:.2f} GB); reduce the batch, use activation checkpointing, "
+        "or pass --allow-oversubscribe to run anyway"
+    )

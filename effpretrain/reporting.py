@@ -21,7 +21,7 @@ from typing import IO, Any
 import torch
 
 import optimizers
-from effpretrain import memory
+from effpretrain import memory, memory_measure
 from effpretrain.config import RunConfig, config_hash, dump_yaml, to_dict
 from effpretrain.evaluation import EvalResult
 from effpretrain.models.factorized import warming_up
@@ -115,7 +115,7 @@ class RunReport:
             loss=f"{loss:.3f}",
             ppl=f"{math.exp(min(loss, 50)):.1f}",
             tok_s=f"{tokens_per_s:,.0f}",
-            mem=f"{memory.peak_memory_bytes(self.acc.device) / 2**30:.2f}G",
+            mem=f"{memory_measure.process_peak_bytes(self.acc.device) / 2**30:.2f}G",
         )
 
     def close_progress(self) -> None:
@@ -214,7 +214,7 @@ def build_summary(
         "val_batches": val.batches,
         "tokens_per_s": clock.tokens_per_s(progress.tokens),
         "wall_s": time.time() - clock.start_wall,
-        "peak_memory_bytes": memory.peak_memory_bytes(acc.device),
+        "peak_memory_bytes": memory_measure.process_peak_bytes(acc.device),
         "optimizer_state_bytes": measured_state,
         "weight_bytes": weight_bytes,
         "grad_bytes": grad_bytes,

@@ -79,11 +79,18 @@ class Trainer:
     """Owns the run's objects; `fit()` is the loop."""
 
     def __init__(
-        self, cfg: RunConfig, out_dir: Path, resume: str | None = None, allow_config_change: bool = False
+        self,
+        cfg: RunConfig,
+        out_dir: Path,
+        resume: str | None = None,
+        allow_config_change: bool = False,
+        allow_oversubscribe: bool = False,
     ):
         self.cfg, self.out = cfg, out_dir
         _check_writable_dir(self.out)  # before any work: a run that cannot write is refused now
         self._set_up_processes()
+        if not allow_oversubscribe:
+            self._preflight()
         # Resume target first: a bad --resume must fail before any work or any write.
         self.resume_path = self._resume_target(resume)
         self._set_up_data()
@@ -110,6 +117,15 @@ class Trainer:
         check_launch(self.world, self.cfg)
         warm_start_steps(self.cfg, self.world)  # refuse an impossible warm start before any work
         set_seed(self.cfg.train.seed)
+
+    def _preflight(self) -> None:
+        """Refuses, before any data or model is built, a run whose estimated per-rank peak exceeds
+        this process's device memory (`memory_measure.check_fits`). The vocabulary is the builtin
+        tokenizer's configured size, or the preset's for a named tokenizer (not loaded yet)."""
+        d = self.cfg.data
+        vocab = d.vocab_size if d.tokenizer == "builtin-bpe" else None
+        est = memory.estimate_from_config(self.cfg, vocab, self.world, self._sharding())
+        memory_measure.check_fits(est, self.acc.device)
 
     def _resume_target(self, resume: str | None) -> Path | None:
         path = ckpt.find_resume(self.out, resume) if resume else None
@@ -357,7 +373,7 @@ class Trainer:
                 "lr": self.sched.get_last_lr()[0],
                 "grad_norm": gnorm,
                 "tokens_per_s": self.tokens_per_step / max(clock.since_step_start(), 1e-9),
-                "peak_memory_bytes": memory.peak_memory_bytes(self.acc.device),
+                "peak_memory_bytes": memory_measure.process_peak_bytes(self.acc.device),
                 "optimizer_state_bytes": optimizers.measured_state_bytes(self.inner_opt),
                 **opt_telemetry(self.inner_opt),
                 "opt/step_s": self.opt_seconds,
@@ -625,7 +641,11 @@ def _check_writable_dir(out: Path) -> None:
 
 
 def train(
-    cfg: RunConfig, out_dir: str | Path, resume: str | None = None, allow_config_change: bool = False
+    cfg: RunConfig,
+    out_dir: str | Path,
+    resume: str | None = None,
+    allow_config_change: bool = False,
+    allow_oversubscribe: bool = False,
 ) -> dict[str, Any]:
     """Runs one training job to completion (or to a signal) and returns its summary.
 
@@ -634,13 +654,16 @@ def train(
     ``{"stopped_by_signal": signum, "step": n}``), a second stops at once. The previous handlers
     are back when this returns or raises.
 
+    `allow_oversubscribe` skips the pre-flight memory check (`Trainer._preflight`).
+
     Raises:
-        ConfigError: bad config, data, resume target or launch.
+        ConfigError: bad config, data, resume target or launch; an estimated peak beyond the
+            device's memory.
         NonFiniteError: too many consecutive non-finite steps.
         effpretrain.signals.RunInterrupted: stopped at once by a signal (no checkpoint written).
     """
     with StopSignals() as stop:
-        return Trainer(cfg, Path(out_dir), resume, allow_config_change).fit(stop)
+        return Trainer(cfg, Path(out_dir), resume, allow_config_change, allow_oversubscribe).fit(stop)
 
 
 def evaluate_checkpoint(checkpoint: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
@@ -670,7 +693,8 @@ def evaluate_checkpoint(checkpoint: str | Path, overrides: list[str] | None = No
     cfg.dist.sharding = "ddp"
     weights = ckpt.read_model_state(path, state)
     with tempfile.TemporaryDirectory() as scratch:  # a fresh trainer: the run folder is not touched
-        trainer = Trainer(cfg, Path(scratch))
+        # No pre-flight: evaluation holds no gradients, optimizer state or training activations.
+        trainer = Trainer(cfg, Path(scratch), allow_oversubscribe=True)
         ckpt.load_model_weights(trainer.acc.unwrap_model(trainer.model), weights, path)
         result = trainer.evaluate()
     return {
