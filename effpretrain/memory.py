@@ -468,21 +468,24 @@ def _layer_of(name: str) -> int | None:
 
 @dataclass(frozen=True)
 class DistTerms:
-    """Per-rank bytes a data-parallel run adds: `buckets`, DDP's gradient buckets when they are
-    not views of the gradients (``gradient_as_bucket_view=False``: one more full gradient; 0 with
-    the flag, which the trainer sets); `gather`, FSDP2's unsharded parameters during forward and
-    backward (the root unit's, which stay gathered, and two decoder layers': the current and the
-    prefetched one, less the shards already counted); `reduce`, FSDP2's reduce-scatter input in
-    backward (the largest unit's full gradient)."""
+    """Per-rank bytes a data-parallel run adds: `buckets`, DDP's gradient buckets (one full
+    gradient, allocated when DDP wraps the model and live at every moment of a step); with
+    `grads_in_buckets` (``gradient_as_bucket_view=True``, the trainer's) the gradients are views
+    into them, so no gradient is counted beside them; without it every gradient is a second copy.
+    `gather`: FSDP2's unsharded parameters during forward and backward (the root unit's, which
+    stay gathered, and two decoder layers': the current and the prefetched one, less the shards
+    already counted); `reduce`: FSDP2's reduce-scatter input in backward (the largest unit's full
+    gradient)."""
 
     buckets: int = 0
+    grads_in_buckets: bool = False
     gather: int = 0
     reduce: int = 0
 
 
 def _dist_terms(t: _Tally, sharding: str, world_size: int, bucket_view: bool) -> DistTerms:
     if world_size > 1 and sharding == "ddp":
-        return DistTerms(buckets=0 if bucket_view else t.grads)
+        return DistTerms(buckets=t.grads, grads_in_buckets=bucket_view)
     if t.shard <= 1:
         return DistTerms()
     layers = [u for u in t.unit_full if u is not None] or [None]
@@ -492,8 +495,20 @@ def _dist_terms(t: _Tally, sharding: str, world_size: int, bucket_view: bool) ->
     return DistTerms(gather=gather, reduce=max(t.unit_full.values(), default=0))
 
 
+def data_bytes(shuffle_buffer: int, seq_len: int) -> int:
+    """The training data's memory during a step: the shuffle pool (`data.shuffle_buffer` rows of
+    int32 ids and one int32 length each, ``4 P (T + 1)``) and the copy the trainer's step takes of
+    it to undo a skipped step's draw: ``8 P (T + 1)``; 0 without a shuffle buffer."""
+    return 8 * shuffle_buffer * (seq_len + 1)
+
+
 def peak_moments(
-    t: _Tally, acts: Activations, checkpointed: Collection[int], grad_accum: int, dist: DistTerms
+    t: _Tally,
+    acts: Activations,
+    checkpointed: Collection[int],
+    grad_accum: int,
+    dist: DistTerms,
+    data: int = 0,
 ) -> dict[str, dict[str, int]]:
     """Live bytes per term at each moment of a step; the peak is the largest total.
 
@@ -507,9 +522,10 @@ def peak_moments(
       temporaries (gradients of its intermediates, ``2 N (h + i) e``, and FSDP2's reduce-scatter);
     - ``optimizer_step``: weights + gradients + state + the method's step transients
       (`MethodSpec.step_transient_bytes`) and a restart's (`FactorSpec.restart_transient_bytes`).
-    DDP's buckets (`DistTerms`) are live at every moment.
+    DDP's buckets (`DistTerms`) are live at every moment (holding the gradients themselves with
+    ``gradient_as_bucket_view``), and so is the training data's `data` (`data_bytes`).
     """
-    base = {"weights": t.weights, "optimizer_state": t.state, "ddp_buckets": dist.buckets}
+    base = {"weights": t.weights, "optimizer_state": t.state, "ddp_buckets": dist.buckets, "data": data}
     held = t.grads if grad_accum > 1 else 0
     out = {
         "forward_end": {**base, "grads": held, "activations": acts.total, "loss": acts.loss.forward},
@@ -541,6 +557,9 @@ def peak_moments(
         "optimizer_transient": t.transient,
         "restart_transient": t.restart_transient,
     }
+    if dist.grads_in_buckets:
+        for m in out.values():
+            m["grads"] = 0
     return out
 
 
@@ -572,6 +591,7 @@ def estimate(
     loss_chunk_tokens: int = 4096,
     restarts: bool = False,
     ddp_bucket_view: bool = True,
+    data: int = 0,
 ) -> Estimate:
     """Analytic memory of training `preset` with optimizer `method` (see module docstring).
 
@@ -581,6 +601,7 @@ def estimate(
     the run's optimizer in a plain group, the factors frozen); ignored for other kinds.
     `activation_checkpointing`: every k-th layer (an int) or the layer indices. `restarts`: the
     run restarts (merges or refactorizes) factors, whose transient the step moment includes.
+    `data`: the training data's bytes during a step (`data_bytes`; the trainer's runs).
     The peak is the largest moment of `peak_moments`.
     """
     from effpretrain.config import OptimConfig
@@ -622,7 +643,8 @@ def estimate(
         loss_chunk_tokens=loss_chunk_tokens,
     )
     t.block_temporaries = 2 * batch_size * seq_len * (p.hidden + p.intermediate) * prec.activations.itemsize
-    moments = peak_moments(t, acts, ck, grad_accum, _dist_terms(t, sharding, world_size, ddp_bucket_view))
+    dist = _dist_terms(t, sharding, world_size, ddp_bucket_view)
+    moments = peak_moments(t, acts, ck, grad_accum, dist, data)
     peak, moment, terms = _peak(moments)
     detail = {
         "preset": preset,
@@ -731,6 +753,7 @@ def _estimate_config(
         loss=getattr(cfg.train, "loss", "standard"),
         loss_chunk_tokens=getattr(cfg.train, "loss_chunk_tokens", 4096),
         restarts=cfg.restarts.every > 0,
+        data=data_bytes(cfg.data.shuffle_buffer, cfg.data.seq_len),
     )
 
 
