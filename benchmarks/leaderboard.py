@@ -448,6 +448,11 @@ _SUMMARY_KEYS = tuple(
 )
 
 
+# summary.json's measured memory (`memory_measured.max`, effpretrain.memory_measure), bytes per
+# category; runs written before it have none (shown as "-").
+MEASURED_KEYS = ("weights", "gradients", "optimizer_state", "activations", "temporaries", "peak")
+
+
 def collect_run(run_dir: Path) -> dict[str, Any] | None:
     """The results row of one run folder (None if it holds no leaderboard record and no summary)."""
     spec = json.loads((run_dir / RUN_RECORD).read_text()) if (run_dir / RUN_RECORD).is_file() else {}
@@ -485,6 +490,9 @@ def collect_run(run_dir: Path) -> dict[str, Any] | None:
     row["estimated"] = {
         k: est.get(k) for k in ("weights", "grads", "optimizer_state", "activations", "total")
     }
+    measured = (summary.get("memory_measured") or {}).get("max")
+    if measured:
+        row["measured"] = {k: measured.get(k) for k in MEASURED_KEYS}
     device = str(summary.get("device", ""))
     row["hardware"] = row["cpu"] if device.startswith("cpu") or not device else device
     row["date"] = _mtime_iso(summary_path)
@@ -691,8 +699,8 @@ def render_markdown(
     )
     out.append("")
     header = (
-        "| # | method | model | val ppl | est. memory | peak memory (measured) | optimizer state | tokens/s "
-        "| FLOPs/token | refresh / refactorization |"
+        "| # | method | model | val ppl | est. memory | peak tensor memory | optimizer state "
+        "| weights / grads / activations / temporaries | tokens/s | FLOPs/token | refresh / refactorization |"
     )
     for model, groups in _groups(ok).items():
         base = next((g for g in groups if g.method == baseline), None)
@@ -710,7 +718,7 @@ def render_markdown(
             f"Steps per run: {', '.join(map(str, steps))}; tokens trained per run: "
             f"{', '.join(f'{t:,}' for t in tokens)}. Ratios are relative to {versus}."
         )
-        out += ["", header, "|" + "---|" * 10]
+        out += ["", header, "|" + "---|" * 11]
         for rank, g in enumerate(groups, 1):
             ppl = f"{g.ppl:.2f}" + (f" ± {g.ppl_std:.2f}" if g.ppl_std is not None else "")
             cells = [
@@ -719,8 +727,9 @@ def render_markdown(
                 model,
                 ppl + f" (n={len(g.rows)})",
                 rel(g, "estimated", "total"),
-                rel(g, "peak_memory_bytes"),
-                rel(g, "optimizer_state_bytes"),
+                rel(g, "measured", "peak"),
+                rel(g, "measured", "optimizer_state"),
+                " / ".join(fmt_bytes(g.mean("measured", k)) for k in MEASURED_KEYS[:2] + MEASURED_KEYS[3:5]),
                 rel(g, "tokens_per_s"),
                 fmt_count(g.mean("flops_per_token")),
                 _refresh_cell(g),
@@ -739,9 +748,12 @@ def render_markdown(
         "- **val ppl**: final validation perplexity, mean ± sample standard deviation over seeds (n runs).",
         "- **est. memory**: the analytic estimate (`effpretrain.memory.estimate`) of weights + gradients +"
         " optimizer state + activations at the run's batch, sequence length and precision.",
-        "- **peak memory (measured)**: CUDA max allocated on GPU; on CPU the peak RSS of the run's process,"
-        " which includes the Python/torch runtime, so CPU ratios sit close to 1.",
-        "- **optimizer state**: bytes summed over the optimizer's state tensors after training.",
+        "- **peak tensor memory**, **optimizer state** and **weights / grads / activations / temporaries**:"
+        " measured on the run's measured steps (`train.memory_steps`, `effpretrain.memory_measure`), the"
+        " largest over them: live tensor bytes at the step's peak (CUDA's allocator on GPU, tensor"
+        " accounting on CPU: the Python/torch runtime is not counted), the optimizer's state tensors, the"
+        " weights and gradients, what autograd saves for backward, and the rest of the peak; `-` for runs"
+        " recorded before these were measured.",
         "- **tokens/s**: training throughput (tokens / time in training steps, evaluation excluded); runs"
         " are timed one after another, so ratios mean something only on an otherwise idle machine.",
         "- **FLOPs/token**: analytic training FLOPs of the matrix multiplies (6 per weight for dense"
@@ -791,10 +803,12 @@ def plot_all(rows: Sequence[dict[str, Any]], out: Path) -> list[str]:
 
     # Memory vs perplexity, estimated and measured, with the Pareto front per model.
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.2), squeeze=False)
-    panels = (("estimated", "total", "estimated memory"), ("peak_memory_bytes", None, "measured peak memory"))
+    panels = (("estimated", "total", "estimated memory"), ("measured", "peak", "measured peak tensor memory"))
     for ax, (key, sub, title) in zip(axes[0], panels):
         for mi, model in enumerate(models):
-            gs = groups[model]
+            gs = [g for g in groups[model] if g.mean(key, sub) is not None]  # old rows: not measured
+            if not gs:
+                continue
             pts = [((g.mean(key, sub) or 0) / 1e6, g.ppl) for g in gs]
             labels: dict[tuple[float, float], list[str]] = {}
             for g, (x, y) in zip(gs, pts):

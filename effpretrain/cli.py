@@ -49,6 +49,11 @@ def _add_train(sub) -> None:
         action="store_true",
         help="resume even if model/method/batch/data differ from the checkpoint's",
     )
+    t.add_argument(
+        "--allow-oversubscribe",
+        action="store_true",
+        help="run even when the estimated peak memory exceeds the device's (the pre-flight check)",
+    )
 
 
 def _add_estimate(sub) -> None:
@@ -71,6 +76,8 @@ def _add_estimate(sub) -> None:
     e.add_argument("--batch-size", type=int, default=1, help="sequences per rank (activations)")
     e.add_argument("--seq-len", type=int, default=256)
     e.add_argument("--activation-checkpointing", type=int, default=0, metavar="K")
+    e.add_argument("--grad-accum", type=int, default=1, help="micro-steps per step (held gradients)")
+    e.add_argument("--loss", default="standard", choices=["standard", "chunked"], help="as train.loss")
     e.add_argument("--world-size", type=int, default=1)
     e.add_argument("--sharding", default="none", choices=["none", "ddp", "fsdp2"])
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -134,7 +141,7 @@ def cmd_train(args) -> int:
     cfg = load_config(recipe, args.overrides)
     out = Path(args.out) if args.out else _default_out(cfg, args.resume)
     try:
-        summary = train(cfg, out, args.resume, args.allow_config_change)
+        summary = train(cfg, out, args.resume, args.allow_config_change, args.allow_oversubscribe)
     except NonFiniteError as e:
         print(f"effpretrain: training stopped: {e}", file=sys.stderr)
         return 3
@@ -186,6 +193,7 @@ def cmd_estimate(args) -> int:
             f"--method {args.method!r} is not one of {', '.join(sorted(optimizers.METHODS) + list(FACTOR_KINDS))}"
         )
     sizes = {"--rank": args.rank, "--world-size": args.world_size, "--batch-size": args.batch_size}
+    sizes["--grad-accum"] = args.grad_accum
     sizes.update({"--seq-len": args.seq_len, "--vocab-size": args.vocab_size})
     for flag, value in sizes.items():
         if value is not None and value <= 0:
@@ -207,6 +215,9 @@ def cmd_estimate(args) -> int:
         activation_checkpointing=args.activation_checkpointing,
         world_size=args.world_size,
         sharding=sharding,
+        grad_accum=args.grad_accum,
+        loss=args.loss,
+        restarts=args.method.endswith("_restarts"),
     )
     if factor != "none":
         est.detail["method"] = args.method

@@ -91,6 +91,7 @@ BOOL_AS_INT = "bool-as-int"
 
 POSITIVE = Check("> 0", lambda v: v > 0)
 NON_NEGATIVE = Check(">= 0", lambda v: v >= 0)
+CHECKPOINTING = Check("(an int >= 0, or `auto`)", lambda v: v == "auto" or (isinstance(v, int) and v >= 0))
 FRACTION = Check("in [0, 1]", lambda v: 0 <= v <= 1)
 BETA = Check("in [0, 1)", lambda v: 0 <= v < 1)
 # numpy's seed range: accelerate's set_seed seeds numpy too.
@@ -311,8 +312,17 @@ class TrainConfig:
     precision: Precision = "fp32"
     """`fp32`; `bf16-mixed` (fp32 weights and states, bf16 autocast); `bf16-pure` (bf16 weights,
     gradients and states: the paper's)."""
-    activation_checkpointing: Annotated[int, NON_NEGATIVE, BOOL_AS_INT] = 0
-    """0 (or false): off; k: checkpoint every k-th decoder layer (1 or true: all)."""
+    activation_checkpointing: Annotated[int | str, CHECKPOINTING, BOOL_AS_INT] = 0
+    """0 (or false): off; k: checkpoint every k-th decoder layer (1 or true: all); `auto`: the
+    fewest layers whose checkpointing brings the estimated peak within `train.memory_budget_gb`
+    (README: Memory estimate)."""
+    memory_budget_gb: PositiveFloat | None = None
+    """Per-rank memory budget (GB = 1e9 bytes) that `activation_checkpointing: auto` fits the
+    estimated peak into."""
+    memory_steps: list[PositiveInt] | None = None
+    """Steps whose memory is measured by category (`effpretrain.memory_measure`; metrics.jsonl
+    and summary.json `memory_measured`); `null`: step 1, the first basis refresh after it
+    (projected methods) and the first restart; `[]`: none. Other steps run without hooks."""
     max_consecutive_skips: PositiveInt = 5
     """Non-finite steps in a row (skipped) before the run stops."""
     trackers: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)
@@ -461,6 +471,8 @@ def validate(cfg: RunConfig, source: str = "config") -> RunConfig:
             raise ConfigError(f"{source}: {key} not found: {spec}")
     if cfg.data.source == "hub" and not cfg.data.name:
         raise ConfigError(f"{source}: data.name is required when data.source=hub")
+    if cfg.train.activation_checkpointing == "auto" and cfg.train.memory_budget_gb is None:
+        raise ConfigError(f"{source}: train.activation_checkpointing=auto needs train.memory_budget_gb")
     return cfg
 
 

@@ -15,8 +15,12 @@ from effpretrain.errors import ConfigError
 
 def make_accelerator(cfg: RunConfig, out_dir: Path) -> Any:
     """The run's `accelerate.Accelerator`: CPU without CUDA, bf16 autocast for `bf16-mixed`,
-    and the configured trackers (refused up front when not installed)."""
+    the configured trackers (refused up front when not installed), and DDP with
+    ``gradient_as_bucket_view``: the gradients live in DDP's communication buckets instead of
+    being copied into them, so a rank holds one full gradient, not two (the trainer's re-wrap
+    after a warm start reuses these kwargs)."""
     from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
 
     for name in cfg.train.trackers:
         if importlib.util.find_spec(name) is None:
@@ -26,6 +30,7 @@ def make_accelerator(cfg: RunConfig, out_dir: Path) -> Any:
         mixed_precision="bf16" if cfg.train.precision == "bf16-mixed" else "no",
         log_with=list(cfg.train.trackers) or None,
         project_dir=str(out_dir),
+        kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)],
     )
 
 

@@ -6,11 +6,17 @@ Estimate, per rank, in bytes:
 - grads: trainable parameters at the gradient dtype (= parameter dtype);
 - optimizer_state: the method's exact formula per parameter (`MethodSpec.state_bytes`), which
   for each class is the same formula its docstring states and its tests check;
-- activations: saved-for-backward tensors of a LLaMA block with SDPA attention, per token,
-  ``(8 h + 4 i)`` elements (norm inputs/outputs, q/k/v, attention output, the four MLP
-  intermediates); a checkpointed block keeps only its input ``h`` and one block is recomputed at a
-  time; plus the logits (``V`` at the activation dtype and in fp32 for the loss). An approximation,
-  stated as such.
+- activations: the tensors autograd saves for backward in one micro-batch, as HF's LLaMA block
+  (SDPA attention, SiLU MLP, RMSNorm) and the factorized layers really save them, per precision
+  (`SAVED_BYTES`, `activation_terms`; equal to the measured saved bytes), a checkpointed block
+  keeping only its input, plus what the loss saves (`loss_bytes`);
+- peak: the largest live total at any moment of a step (`peak_moments`): the end of the forward,
+  the loss's backward, each block's backward (with a checkpointed block's recompute) and the
+  optimizer step with the method's transients (`MethodSpec.step_transient_bytes`) and a
+  restart's (`FactorSpec.restart_transient_bytes`); gradients held across accumulation
+  micro-steps, DDP buckets and FSDP2's gathered units included. ``detail["peak_phase"]``
+  ("forward_backward" or "optimizer_step"), ``detail["peak_moment"]`` and
+  ``detail["peak_terms"]`` say where it is reached and of what it is made.
 
 The parameter shapes are those of the preset's LlamaForCausalLM built on PyTorch's meta device
 (shapes only, no storage); a factorized target's tensors come from `FactorSpec.param_counts`
@@ -37,7 +43,7 @@ import functools
 import math
 import resource
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,6 +126,9 @@ class Estimate:
     params: int
     trainable_params: int
     detail: dict[str, Any] = field(default_factory=dict)
+    #: the largest live total at any moment of a step (bytes, per rank); ``detail["peak_phase"]``
+    #: names that moment and ``detail["peak_terms"]`` its terms (name -> bytes).
+    peak: int = 0
 
     @property
     def total(self) -> int:
@@ -137,6 +146,7 @@ class Estimate:
             "activations": self.activations,
             "weights_plus_optimizer": self.weights_plus_optimizer,
             "total": self.total,
+            "peak": self.peak,
             "params": self.params,
             "trainable_params": self.trainable_params,
             **self.detail,
@@ -171,6 +181,13 @@ class _Tally:
     params: int = 0
     trainable: int = 0
     index_bytes: int = 0
+    transient: int = 0  # the optimizer step's temporaries (summed for a foreach method, else the largest)
+    restart_transient: int = 0
+    block_temporaries: int = 0  # set by `estimate`: one block's backward temporaries
+    unit: int | None = None  # the decoder layer being tallied (None: embeddings, final norm, head)
+    block_grads: dict[int, int] = field(default_factory=dict)
+    unit_full: dict[int | None, int] = field(default_factory=dict)  # FSDP2 units, unsharded bytes
+    unit_mine: dict[int | None, int] = field(default_factory=dict)  # and rank 0's shard
 
     def mine(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """Rank 0's part of a tensor: torch.chunk gives it ceil(rows / N) rows."""
@@ -184,30 +201,52 @@ class _Tally:
         """A trainable tensor: its weight, its gradient and its state. Element-wise state is split
         like its parameter (scalar terms, such as torch AdamW's step tensor, stay whole); a
         projected tensor's state (`group` given) and a whole-state method's stay whole."""
-        self.weights += self.stored(shape)
+        self.stored_weight(shape)
         self.grads += self.stored(shape)
+        if self.unit is not None:
+            self.block_grads[self.unit] = self.block_grads.get(self.unit, 0) + self.stored(shape)
         whole = group is not None or self.whole_state
-        self.state += self.method.state_bytes(shape if whole else self.mine(shape), group or {}, self.dtype)
+        mine = shape if whole else self.mine(shape)
+        self.state += self.method.state_bytes(mine, group or {}, self.dtype)
+        step = self.method.step_transient_bytes(mine, group or {}, self.dtype)
+        if whole and self.shard > 1:  # stepped whole: the gathered gradient and weight
+            step += 2 * math.prod(shape) * self.dtype.itemsize
+        self.transient = self.transient + step if self.method.foreach else max(self.transient, step)
+
+    def stored_weight(self, shape: tuple[int, ...]) -> None:
+        """A parameter's storage on this rank, and its FSDP2 unit's (unsharded and rank 0's)."""
+        self.weights += self.stored(shape)
+        self.unit_full[self.unit] = self.unit_full.get(self.unit, 0) + math.prod(shape) * self.dtype.itemsize
+        self.unit_mine[self.unit] = self.unit_mine.get(self.unit, 0) + self.stored(shape)
 
 
 def _tally_factorized(
-    t: _Tally, m: int, n: int, spec: FactorSpec, rank: int, density: float, warm_start: bool = False
+    t: _Tally,
+    m: int,
+    n: int,
+    spec: FactorSpec,
+    rank: int,
+    density: float,
+    warm_start: bool = False,
+    restarts: bool = False,
 ) -> int:
     """Adds one factorized m x n target (B m x r, A r x n, [sparse values], [frozen W0], [index
     buffer, not sharded]) to `t`; returns its element count. In a warm start (`warm_start`, a kind
     with `warm_starts`) the roles swap: W0 trains (weight, gradient, plain unprojected state) and
-    the factors are stored only."""
+    the factors are stored only. With `restarts`, the largest restart transient is kept."""
     counts = spec.param_counts(m, n, rank, density)
     warm = warm_start and spec.warm_starts
     for shape in _factor_param_shapes(m, n, rank, counts):
         if warm:
-            t.weights += t.stored(shape)
+            t.stored_weight(shape)
         else:
             t.trainable_tensor(shape)
     if warm:
         t.trainable_tensor((m, n))
     elif counts["frozen"]:  # LoRA's W0 (m x n), sharded like any parameter
-        t.weights += t.stored((m, n))
+        t.stored_weight((m, n))
+    if restarts:
+        t.restart_transient = max(t.restart_transient, spec.restart_transient_bytes(m, n, rank))
     t.index_bytes += counts["index_elements"] * torch.int64.itemsize
     t.trainable += m * n if warm else counts["trainable"]
     return counts["trainable"] + counts["frozen"]
@@ -233,13 +272,15 @@ def _tally_params(
     factor_rank: int,
     density: float,
     warm_start: bool = False,
+    restarts: bool = False,
 ) -> None:
     """Adds every parameter to `t`: factorized targets as their factors (or, in a warm start, as
     their trained W0), projected targets with their whole low-rank state, the rest as dense
     trainable tensors."""
     for s in shapes:
+        t.unit = _layer_of(s.name)
         if factor is not None and s.linear in factor_targets:
-            t.params += _tally_factorized(t, *s.shape, factor, factor_rank, density, warm_start)
+            t.params += _tally_factorized(t, *s.shape, factor, factor_rank, density, warm_start, restarts)
             continue
         projected = proj_group is not None and s.linear in proj_targets
         t.trainable_tensor(s.shape, proj_group if projected else None)
@@ -248,26 +289,284 @@ def _tally_params(
     t.weights += t.index_bytes  # a buffer: not sharded
 
 
+@dataclass(frozen=True)
+class SavedBytes:
+    """Bytes a LLaMA decoder block (HF LlamaDecoderLayer, SDPA, SiLU MLP, RMSNorm) saves for
+    backward per token, by precision: ``block_h`` per hidden unit outside the MLP's i-wide
+    tensors, ``mlp_i`` per intermediate unit, ``final_norm_h`` for the final RMSNorm (whose output
+    the head reads), ``residual`` the residual stream's itemsize, ``weight_cast`` the bytes per
+    element of each linear weight's autocast copy (0 without autocast).
+
+    fp32 (measured with `saved_tensor_bytes`, exact): each RMSNorm saves its input x, x rsqrt(.)
+    and its output (3 h); SDPA saves q and k after RoPE, v and its output (4 h; that output is
+    already laid out as o_proj's input, so it is one storage): 10 h x 4 B; the MLP saves the gate,
+    its SiLU, up and their product (4 i x 4 B). bf16-pure: a norm keeps x in fp32 (4 B), x rsqrt(.)
+    cast back (2 B) and its output (2 B): 2 x 8 + 4 x 2 = 24. bf16-mixed: the residual stream stays
+    fp32; a norm saves x and x rsqrt(.) (8 B) while each linear saves its own bf16 cast of its
+    input (q, k, v: three of the first norm's output, gate and up: two of the second's): 8 + 6 +
+    8 + 8 + 4 = 34, the final norm 8 + the head's cast 2, and autocast keeps a bf16 copy of every
+    linear weight until backward. Every precision adds per block two fp32 rsqrt per token and
+    SDPA's fp32 logsumexp per head.
+    """
+
+    block_h: int
+    mlp_i: int
+    final_norm_h: int
+    residual: int
+    weight_cast: int
+
+
+SAVED_BYTES: dict[str, SavedBytes] = {
+    "fp32": SavedBytes(40, 16, 12, 4, 0),
+    "bf16-mixed": SavedBytes(34, 8, 10, 4, 2),
+    "bf16-pure": SavedBytes(24, 8, 8, 2, 0),
+}
+
+
+@dataclass(frozen=True)
+class LossBytes:
+    """The loss's memory (bytes): `saved` for backward (part of the activations), `forward` live
+    beside the activations at the end of the forward, `backward` live beside them while the
+    loss's backward runs."""
+
+    saved: int
+    forward: int
+    backward: int
+
+
+def loss_bytes(
+    kind: str, tokens: int, vocab: int, hidden: int, act: torch.dtype, chunk: int = 4096
+) -> LossBytes:
+    """Memory of the training loss over `tokens` rows (N) of vocabulary V at activation dtype e.
+
+    ``standard``: the (N, V) logits at e, an fp32 copy when e is not fp32, the fp32 log-softmax
+    saved for backward (4 N V) with the labels (8 N) and the reduction's weight (4); its backward
+    holds the NLL's (N, V) gradient and the log-softmax's input gradient (2 x 4 N V) beside the
+    saved log-softmax (the cast of that gradient back to e comes after both are freed).
+    ``chunked`` (C = min(`chunk`, N) rows at a time, never the (N, V) logits): saves one fp32
+    logsumexp per token (4 N) and the labels (8 N) (the final hidden states are the final norm's
+    output, already counted); its transients are two (C, V) fp32 blocks (logits and their
+    gradient), plus in backward the (C, h) fp32 chunk gradient and the (N, h) hidden gradient.
+    """
+    N, V, e = tokens, vocab, act.itemsize
+    if kind == "chunked":
+        C = min(chunk, N)
+        return LossBytes(12 * N, 8 * C * V, 8 * C * V + 4 * C * hidden + e * N * hidden)
+    if kind != "standard":
+        raise ValueError(f"unknown loss {kind!r}; choose one of standard, chunked")
+    return LossBytes(4 * N * V + 8 * N + 4, N * V * e + (4 * N * V if e != 4 else 0), 8 * N * V)
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Saved-for-backward bytes of one micro-batch, by part (see `activation_terms`)."""
+
+    blocks: tuple[int, ...]  # what each decoder block keeps until its backward
+    block_full: int  # one block's full saved set (a checkpointed block's recompute)
+    base: int  # token ids, RoPE tables, final norm, autocast weight copies
+    loss: LossBytes
+
+    @property
+    def total(self) -> int:
+        return sum(self.blocks) + self.base + self.loss.saved
+
+
+def activation_terms(
+    preset: str,
+    vocab_size: int | None,
+    batch_size: int,
+    seq_len: int,
+    checkpointed: Collection[int],
+    dtype: str,
+    *,
+    rank_inputs: int = 0,
+    rank: int = 0,
+    linear_weights: tuple[int, int] = (0, 0),
+    loss: str = "standard",
+    loss_chunk_tokens: int = 4096,
+) -> Activations:
+    """The saved activations of one micro-batch of N = `batch_size` x `seq_len` tokens.
+
+    A full block saves ``N (block_h h + mlp_i i) + N (8 + 4 heads) + rank_inputs N r e`` bytes
+    (`SavedBytes`; `rank_inputs` factorized layers per block each save their N x r intermediate at
+    the activation itemsize e); a checkpointed block (in `checkpointed`) keeps only its input
+    (``N h`` at the residual itemsize). The base: token ids (8 N), the RoPE cos/sin tables
+    (2 T d at the residual itemsize, saved once unless every block is checkpointed), the final
+    norm (``final_norm_h N h + 4 N``) and, under autocast, the bf16 copy of the head's weight;
+    under autocast a full block also saves the bf16 copies of its linear weights (a checkpointed
+    block casts them again in its recompute). `linear_weights`: (elements of one block's linear
+    weights, of the head's). The loss's part is `loss_bytes`.
+    """
+    p, sb, e = PRESETS[preset], SAVED_BYTES[dtype], precision(dtype).activations.itemsize
+    V, N = vocab_size or p.vocab, batch_size * seq_len
+    full = (
+        N * (sb.block_h * p.hidden + sb.mlp_i * p.intermediate + 8 + 4 * p.heads)
+        + rank_inputs * N * rank * e
+        + sb.weight_cast * linear_weights[0]
+    )
+    blocks = tuple(N * p.hidden * sb.residual if i in checkpointed else full for i in range(p.layers))
+    rope = (
+        0
+        if all(i in checkpointed for i in range(p.layers))
+        else 2 * seq_len * (p.hidden // p.heads) * sb.residual
+    )
+    base = 8 * N + rope + N * (sb.final_norm_h * p.hidden + 4) + sb.weight_cast * linear_weights[1]
+    lb = loss_bytes(loss, N, V, p.hidden, precision(dtype).activations, loss_chunk_tokens)
+    return Activations(blocks, full, base, lb)
+
+
+def checkpointed_layers(spec: int | Collection[int], layers: int) -> frozenset[int]:
+    """The decoder layers checkpointed by `spec`: an int k, every k-th layer from layer 0 (0: none),
+    or the layer indices themselves."""
+    if isinstance(spec, int):
+        return frozenset(range(0, layers, spec)) if spec > 0 else frozenset()
+    return frozenset(spec)
+
+
 def activation_bytes(
     preset: str,
     vocab_size: int | None,
     batch_size: int,
     seq_len: int,
-    activation_checkpointing: int,
-    dtype: torch.dtype,
+    activation_checkpointing: int | Collection[int],
+    dtype: str,
 ) -> int:
-    """Saved activations of one micro-batch (see the module docstring): (8 h + 4 i) per token per
-    block, h for a checkpointed block plus one recomputed block, and the logits at `dtype` and fp32."""
-    p = PRESETS[preset]
-    V, size = vocab_size or p.vocab, dtype.itemsize
-    tokens = batch_size * seq_len
-    per_layer = (8 * p.hidden + 4 * p.intermediate) * tokens * size
-    k = activation_checkpointing
-    n_ckpt = 0 if k <= 0 else len(range(0, p.layers, k))
-    acts = (p.layers - n_ckpt) * per_layer + n_ckpt * p.hidden * tokens * size
-    if n_ckpt:
-        acts += per_layer  # one checkpointed block is recomputed at a time
-    return acts + tokens * (2 * p.hidden * size + V * (size + 4))
+    """Saved activations of one micro-batch of a dense model with the standard loss
+    (`activation_terms`)."""
+    ck = checkpointed_layers(activation_checkpointing, PRESETS[preset].layers)
+    return activation_terms(preset, vocab_size, batch_size, seq_len, ck, dtype).total
+
+
+def _linear_elements(
+    shapes: Iterable[ParamShape], factor: FactorSpec | None, targets: Sequence[str], rank: int, density: float
+) -> tuple[int, int]:
+    """Elements of one decoder block's linear weights (a factorized target's factors, sparse values
+    and frozen W0) and of the head's: what autocast casts to bf16 in a forward."""
+    block = head = 0
+    for s in shapes:
+        if s.linear is None or _layer_of(s.name) not in (0, None):
+            continue
+        n = math.prod(s.shape)
+        if factor is not None and s.linear in targets:
+            counts = factor.param_counts(*s.shape, rank, density)
+            n = counts["trainable"] + counts["frozen"]
+        if _layer_of(s.name) == 0:
+            block += n
+        else:
+            head += n
+    return block, head
+
+
+def _layer_of(name: str) -> int | None:
+    """The decoder layer a parameter belongs to (``model.layers.<i>.``), else None."""
+    parts = name.split(".")
+    if "layers" in parts and parts.index("layers") + 1 < len(parts):
+        index = parts[parts.index("layers") + 1]
+        return int(index) if index.isdigit() else None
+    return None
+
+
+@dataclass(frozen=True)
+class DistTerms:
+    """Per-rank bytes a data-parallel run adds: `buckets`, DDP's gradient buckets (one full
+    gradient, allocated when DDP wraps the model and live at every moment of a step); with
+    `grads_in_buckets` (``gradient_as_bucket_view=True``, the trainer's) the gradients are views
+    into them, so no gradient is counted beside them; without it every gradient is a second copy.
+    `gather`: FSDP2's unsharded parameters during forward and backward (the root unit's, which
+    stay gathered, and two decoder layers': the current and the prefetched one, less the shards
+    already counted); `reduce`: FSDP2's reduce-scatter input in backward (the largest unit's full
+    gradient)."""
+
+    buckets: int = 0
+    grads_in_buckets: bool = False
+    gather: int = 0
+    reduce: int = 0
+
+
+def _dist_terms(t: _Tally, sharding: str, world_size: int, bucket_view: bool) -> DistTerms:
+    if world_size > 1 and sharding == "ddp":
+        return DistTerms(buckets=t.grads, grads_in_buckets=bucket_view)
+    if t.shard <= 1:
+        return DistTerms()
+    layers = [u for u in t.unit_full if u is not None] or [None]
+    big = max(layers, key=lambda u: t.unit_full[u])
+    unsharded = lambda u: t.unit_full.get(u, 0) - t.unit_mine.get(u, 0)  # noqa: E731
+    gather = unsharded(None) + 2 * unsharded(big)
+    return DistTerms(gather=gather, reduce=max(t.unit_full.values(), default=0))
+
+
+def data_bytes(shuffle_buffer: int, seq_len: int) -> int:
+    """The training data's memory during a step: the shuffle pool (`data.shuffle_buffer` rows of
+    int32 ids and one int32 length each, ``4 P (T + 1)``) and the copy the trainer's step takes of
+    it to undo a skipped step's draw: ``8 P (T + 1)``; 0 without a shuffle buffer."""
+    return 8 * shuffle_buffer * (seq_len + 1)
+
+
+def peak_moments(
+    t: _Tally,
+    acts: Activations,
+    checkpointed: Collection[int],
+    grad_accum: int,
+    dist: DistTerms,
+    data: int = 0,
+) -> dict[str, dict[str, int]]:
+    """Live bytes per term at each moment of a step; the peak is the largest total.
+
+    - ``forward_end``: weights + state + gradients held from earlier micro-steps (none with one
+      micro-step: the trainer zeroes them with set_to_none) + activations + the loss's live
+      forward terms (`LossBytes.forward`) + FSDP2's gathered units;
+    - ``loss_backward``: the same with the loss's backward terms (`LossBytes.backward`);
+    - ``block_backward``: the worst decoder block, last to first: the gradients produced so far
+      (the head, final norm and the blocks at or after it), the activations of the blocks before
+      it and the base, its own full saved set (recomputed if checkpointed) and its backward's
+      temporaries (gradients of its intermediates, ``2 N (h + i) e``, and FSDP2's reduce-scatter);
+    - ``optimizer_step``: weights + gradients + state + the method's step transients
+      (`MethodSpec.step_transient_bytes`) and a restart's (`FactorSpec.restart_transient_bytes`).
+    DDP's buckets (`DistTerms`) are live at every moment (holding the gradients themselves with
+    ``gradient_as_bucket_view``), and so is the training data's `data` (`data_bytes`).
+    """
+    base = {"weights": t.weights, "optimizer_state": t.state, "ddp_buckets": dist.buckets, "data": data}
+    held = t.grads if grad_accum > 1 else 0
+    out = {
+        "forward_end": {**base, "grads": held, "activations": acts.total, "loss": acts.loss.forward},
+        "loss_backward": {**base, "grads": held, "activations": acts.total, "loss": acts.loss.backward},
+    }
+    for m in out.values():
+        m["fsdp_gather"] = dist.gather
+    produced = t.grads - sum(t.block_grads.values())
+    before = acts.total - acts.loss.saved
+    worst: dict[str, int] = {}
+    for i in reversed(range(len(acts.blocks))):
+        before -= acts.blocks[i]
+        produced += t.block_grads.get(i, 0)
+        own = acts.block_full if i in checkpointed else acts.blocks[i]
+        m = {
+            **base,
+            "grads": max(held, produced),
+            "activations": before + (0 if i in checkpointed else own),
+            "recompute": own if i in checkpointed else 0,
+            "block_backward_temporaries": t.block_temporaries,
+            "fsdp_gather": dist.gather + dist.reduce,
+        }
+        if sum(m.values()) > sum(worst.values()):
+            worst = m
+    out["block_backward"] = worst
+    out["optimizer_step"] = {
+        **base,
+        "grads": t.grads,
+        "optimizer_transient": t.transient,
+        "restart_transient": t.restart_transient,
+    }
+    if dist.grads_in_buckets:
+        for m in out.values():
+            m["grads"] = 0
+    return out
+
+
+def _peak(moments: dict[str, dict[str, int]]) -> tuple[int, str, dict[str, int]]:
+    name = max(moments, key=lambda k: sum(moments[k].values()))
+    terms = {k: v for k, v in moments[name].items() if v}
+    return sum(terms.values()), name, terms
 
 
 def estimate(
@@ -283,10 +582,16 @@ def estimate(
     factor_targets: list[str] | None = None,
     batch_size: int = 1,
     seq_len: int = 256,
-    activation_checkpointing: int = 0,
+    activation_checkpointing: int | Collection[int] = 0,
     world_size: int = 1,
     sharding: str = "none",
     warm_start: bool = False,
+    grad_accum: int = 1,
+    loss: str = "standard",
+    loss_chunk_tokens: int = 4096,
+    restarts: bool = False,
+    ddp_bucket_view: bool = True,
+    data: int = 0,
 ) -> Estimate:
     """Analytic memory of training `preset` with optimizer `method` (see module docstring).
 
@@ -294,6 +599,10 @@ def estimate(
     `world_size` chunks with torch.chunk's sizes and the figures are rank 0's (the largest share).
     `warm_start`: the full-rank warm-start phase of a kind that has one (ReLoRA's W0 trained with
     the run's optimizer in a plain group, the factors frozen); ignored for other kinds.
+    `activation_checkpointing`: every k-th layer (an int) or the layer indices. `restarts`: the
+    run restarts (merges or refactorizes) factors, whose transient the step moment includes.
+    `data`: the training data's bytes during a step (`data_bytes`; the trainer's runs).
+    The peak is the largest moment of `peak_moments`.
     """
     from effpretrain.config import OptimConfig
 
@@ -302,20 +611,41 @@ def estimate(
     mspec = optimizers.method_spec(method)
     shard = world_size if sharding == "fsdp2" else 1
     t = _Tally(mspec, prec.params, shard, whole_state=shard > 1 and mspec.fsdp2_whole_state)
+    factor = factor_spec(factor_kind) if factor_kind != "none" else None
+    targets = list(factor_targets or ATTN_MLP_TARGETS)
+    shapes = model_param_shapes(preset, vocab_size)
     _tally_params(
         t,
-        model_param_shapes(preset, vocab_size),
+        shapes,
         projection_group(optim_cfg) if mspec.projects else None,
         list(optim_cfg.targets),
-        factor_spec(factor_kind) if factor_kind != "none" else None,
-        list(factor_targets or ATTN_MLP_TARGETS),
+        factor,
+        targets,
         factor_rank,
         density,
         warm_start,
+        restarts,
     )
-    acts = activation_bytes(
-        preset, vocab_size, batch_size, seq_len, activation_checkpointing, prec.activations
+    p = PRESETS[preset]
+    ck = checkpointed_layers(activation_checkpointing, p.layers)
+    saves_rank = factor is not None and factor.saves_rank_input and not (warm_start and factor.warm_starts)
+    acts = activation_terms(
+        preset,
+        vocab_size,
+        batch_size,
+        seq_len,
+        ck,
+        dtype,
+        rank_inputs=len(set(targets) & set(ATTN_MLP_TARGETS)) if saves_rank else 0,
+        rank=factor_rank,
+        linear_weights=_linear_elements(shapes, factor, targets, factor_rank, density),
+        loss=loss,
+        loss_chunk_tokens=loss_chunk_tokens,
     )
+    t.block_temporaries = 2 * batch_size * seq_len * (p.hidden + p.intermediate) * prec.activations.itemsize
+    dist = _dist_terms(t, sharding, world_size, ddp_bucket_view)
+    moments = peak_moments(t, acts, ck, grad_accum, dist, data)
+    peak, moment, terms = _peak(moments)
     detail = {
         "preset": preset,
         "method": method,
@@ -324,34 +654,85 @@ def estimate(
         "world_size": world_size,
         "sharding": sharding,
         "sparse_index_bytes": t.index_bytes,
+        "checkpointed_layers": sorted(ck),
+        "loss": loss,
+        "peak_phase": "optimizer_step" if moment == "optimizer_step" else "forward_backward",
+        "peak_moment": moment,
+        "peak_terms": terms,
     }
-    return Estimate(t.weights, t.grads, t.state, acts, t.params, t.trainable, detail)
+    return Estimate(t.weights, t.grads, t.state, acts.total, t.params, t.trainable, detail, peak=peak)
 
 
-def estimate_from_config(cfg: Any, vocab_size: int, world_size: int = 1, sharding: str = "none") -> Estimate:
+def estimate_from_config(
+    cfg: Any,
+    vocab_size: int,
+    world_size: int = 1,
+    sharding: str = "none",
+    checkpointed: Collection[int] | None = None,
+) -> Estimate:
     """The estimate for a resolved RunConfig (what the trainer stores in summary.json).
 
     A run with a full-rank warm start (`factor.warm_start_steps` > 0) has two phases: the warm
     start (W0 trained: m n gradient and full-rank state per target) and the factorized phase after
     the switch. The estimate returned is the phase with the larger total (the warm start, unless
     r (m + n) > m n), with ``detail["phase"]`` naming it and ``detail["phases"]`` holding
-    weights, grads, optimizer_state, total and trainable_params of both ("warm_start",
-    "factorized").
+    weights, grads, optimizer_state, total, peak and trainable_params of both ("warm_start",
+    "factorized"); its `peak` is the larger phase's peak.
+
+    `checkpointed` (layer indices) overrides ``train.activation_checkpointing``; its ``auto`` is
+    resolved by `plan_checkpointing`.
     """
-    run = functools.partial(_estimate_config, cfg, vocab_size, world_size, sharding)
+    ck = cfg.train.activation_checkpointing if checkpointed is None else checkpointed
+    if ck == "auto":
+        ck = plan_checkpointing(cfg, vocab_size, world_size, sharding)[0]
+    run = functools.partial(_estimate_config, cfg, vocab_size, world_size, sharding, ck)
     factorized = run(warm_start=False)
     spec = factor_spec(cfg.factor.kind) if cfg.factor.kind != "none" else None
     if not (cfg.factor.warm_start_steps and spec is not None and spec.warm_starts):
         return factorized
     phases = {"warm_start": run(warm_start=True), "factorized": factorized}
-    keys = ("weights", "grads", "optimizer_state", "total", "trainable_params")
+    keys = ("weights", "grads", "optimizer_state", "total", "peak", "trainable_params")
     table = {name: {k: getattr(e, k) for k in keys} for name, e in phases.items()}
     phase = max(phases, key=lambda name: phases[name].total)
-    peak = phases[phase]
-    return dataclasses.replace(peak, detail={**peak.detail, "phase": phase, "phases": table})
+    top = max(phases.values(), key=lambda e: e.peak)
+    peak_detail = {k: top.detail[k] for k in ("peak_phase", "peak_moment", "peak_terms")}
+    chosen = phases[phase]
+    detail = {**chosen.detail, **peak_detail, "phase": phase, "phases": table}
+    return dataclasses.replace(chosen, peak=top.peak, detail=detail)
 
 
-def _estimate_config(cfg: Any, vocab_size: int, world_size: int, sharding: str, warm_start: bool) -> Estimate:
+def plan_checkpointing(
+    cfg: Any, vocab_size: int, world_size: int = 1, sharding: str = "none"
+) -> tuple[list[int], Estimate]:
+    """``train.activation_checkpointing: auto``: the fewest decoder layers to checkpoint so that
+    the estimated peak fits ``train.memory_budget_gb`` (GB = 1e9 bytes), and that estimate.
+
+    Blocks save equal activations, and checkpointing a lower block frees its activations for
+    every later moment of the backward, so layers are taken from layer 0 up: the first k that fits.
+
+    Raises:
+        ConfigError: no budget is set, or even checkpointing every layer exceeds it.
+    """
+    from effpretrain.errors import ConfigError
+
+    budget = cfg.train.memory_budget_gb
+    if budget is None:
+        raise ConfigError("train.activation_checkpointing=auto needs train.memory_budget_gb")
+    layers = PRESETS[cfg.model.preset].layers
+    for k in range(layers + 1):
+        est = estimate_from_config(cfg, vocab_size, world_size, sharding, checkpointed=range(k))
+        if est.peak <= budget * 1e9:
+            return list(range(k)), est
+    name, biggest = max(est.detail["peak_terms"].items(), key=lambda kv: kv[1])
+    raise ConfigError(
+        f"train.memory_budget_gb={budget:g}: nothing fits; with every decoder layer checkpointed the "
+        f"estimated peak is {est.peak / 1e9:.3f} GB (largest term: {name} {biggest / 1e9:.3f} GB)"
+    )
+
+
+def _estimate_config(
+    cfg: Any, vocab_size: int, world_size: int, sharding: str, checkpointed: Any, warm_start: bool
+) -> Estimate:
     return estimate(
         cfg.model.preset,
         cfg.optim.name,
@@ -364,10 +745,15 @@ def _estimate_config(cfg: Any, vocab_size: int, world_size: int, sharding: str, 
         factor_targets=cfg.factor.targets,
         batch_size=cfg.train.batch_size,
         seq_len=cfg.data.seq_len,
-        activation_checkpointing=cfg.train.activation_checkpointing,
+        activation_checkpointing=checkpointed,
         world_size=world_size,
         sharding=sharding,
         warm_start=warm_start,
+        grad_accum=cfg.train.grad_accum,
+        loss=getattr(cfg.train, "loss", "standard"),
+        loss_chunk_tokens=getattr(cfg.train, "loss_chunk_tokens", 4096),
+        restarts=cfg.restarts.every > 0,
+        data=data_bytes(cfg.data.shuffle_buffer, cfg.data.seq_len),
     )
 
 
@@ -404,15 +790,17 @@ def saved_tensor_bytes(fn: Any) -> tuple[int, Any]:
     return sum(storages.values()), out
 
 
-def format_table(est: Estimate) -> str:
-    """A human-readable breakdown in GB (1e9 bytes)."""
+def format_table(est: Estimate, top: int = 4) -> str:
+    """A human-readable breakdown in GB (1e9 bytes): the sums, then the peak, the moment it is
+    reached and its `top` largest terms."""
     rows = [
         ("weights", est.weights),
         ("gradients", est.grads),
         ("optimizer state", est.optimizer_state),
-        ("activations (approx.)", est.activations),
+        ("activations", est.activations),
         ("weights + optimizer", est.weights_plus_optimizer),
         ("total", est.total),
+        ("peak", est.peak),
     ]
     d = est.detail
     head = (
@@ -422,4 +810,7 @@ def format_table(est: Estimate) -> str:
     )
     lines = [head, f"  params {est.params:,}  trainable {est.trainable_params:,}"]
     lines += [f"  {name:<24}{b / 1e9:>10.3f} GB  ({b:,} B)" for name, b in rows]
+    terms = sorted(d.get("peak_terms", {}).items(), key=lambda kv: -kv[1])[:top]
+    lines.append(f"  peak at {d.get('peak_moment', '?')} ({d.get('peak_phase', '?')}), largest terms:")
+    lines += [f"    {name:<22}{b / 1e9:>10.3f} GB" for name, b in terms]
     return "\n".join(lines)

@@ -21,7 +21,7 @@ from typing import IO, Any
 import torch
 
 import optimizers
-from effpretrain import memory
+from effpretrain import memory, memory_measure
 from effpretrain.config import RunConfig, config_hash, dump_yaml, to_dict
 from effpretrain.evaluation import EvalResult
 from effpretrain.models.factorized import warming_up
@@ -115,7 +115,7 @@ class RunReport:
             loss=f"{loss:.3f}",
             ppl=f"{math.exp(min(loss, 50)):.1f}",
             tok_s=f"{tokens_per_s:,.0f}",
-            mem=f"{memory.peak_memory_bytes(self.acc.device) / 2**30:.2f}G",
+            mem=f"{memory_measure.process_peak_bytes(self.acc.device) / 2**30:.2f}G",
         )
 
     def close_progress(self) -> None:
@@ -173,6 +173,7 @@ def build_summary(
     grad_bytes: int,
     vocab_size: int,
     sharding: str,
+    memory_records: list[list[dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """summary.json: the run's result, measured memory beside the estimate, and its provenance.
 
@@ -183,6 +184,8 @@ def build_summary(
             and rows it covered, and the benchmark-convention perplexity (labelled as such).
         grad_bytes: measured gradient bytes per rank.
         sharding: "none", "ddp" or "fsdp2" as run.
+        memory_records: per measured step, every rank's `memory_measure.measure_step` result
+            (``memory_measured``, see `measured_memory`).
     """
     import transformers
 
@@ -211,10 +214,11 @@ def build_summary(
         "val_batches": val.batches,
         "tokens_per_s": clock.tokens_per_s(progress.tokens),
         "wall_s": time.time() - clock.start_wall,
-        "peak_memory_bytes": memory.peak_memory_bytes(acc.device),
+        "peak_memory_bytes": memory_measure.process_peak_bytes(acc.device),
         "optimizer_state_bytes": measured_state,
         "weight_bytes": weight_bytes,
         "grad_bytes": grad_bytes,
+        "memory_measured": measured_memory(memory_records or []),
         "estimated": est.as_dict(),
         "estimate_matches_measured": {
             "optimizer_state": est_state == measured_state,
@@ -230,6 +234,27 @@ def build_summary(
         "config_hash": config_hash(cfg),
         **opt_telemetry(opt),
     }
+
+
+def measured_memory(records: list[list[dict[str, Any]]]) -> dict[str, Any] | None:
+    """summary.json's ``memory_measured``: from the measured steps (each a list of every rank's
+    measurement), rank 0's ``max`` (per category, the largest over its measured steps) and
+    ``steps`` (its measurements, in step order), and ``ranks``: the same two for every rank. None
+    when no step was measured (`train.memory_steps: []`)."""
+    if not records:
+        return None
+    from effpretrain.memory_measure import MEASURED_KEYS
+
+    def one(steps: list[dict[str, Any]]) -> dict[str, Any]:
+        top = max(steps, key=lambda m: m["peak"])
+        best = {k: max(m[k] for m in steps) for k in MEASURED_KEYS}
+        return {
+            "max": {**best, "step_at_peak": top["step"], "phase_at_peak": top["phase_at_peak"]},
+            "steps": steps,
+        }
+
+    ranks = [one([step[r] for step in records]) for r in range(len(records[0]))]
+    return {**ranks[0], "ranks": [{"rank": r, **x} for r, x in enumerate(ranks)]}
 
 
 def git_commit() -> str:

@@ -25,21 +25,29 @@ import torch
 import optimizers
 from effpretrain import checkpoint as ckpt
 from effpretrain import data as data_mod
-from effpretrain import evaluation, fsdp, memory
+from effpretrain import evaluation, fsdp, memory, memory_measure
 from effpretrain.config import RunConfig, apply_overrides, dump_yaml, from_dict, to_dict, validate
 from effpretrain.errors import ConfigError
 from effpretrain.evaluation import EvalResult
 from effpretrain.launch import check_launch, make_accelerator
 from effpretrain.loss import token_loss_sum
 from effpretrain.models import set_activation_checkpointing
-from effpretrain.models.factorized import begin_warm_start_, end_warm_start_, warming_up
+from effpretrain.models.factorized import begin_warm_start_, end_warm_start_, factor_spec, warming_up
 from effpretrain.optim_setup import build_optimizer_and_schedule, opt_telemetry, warm_start_steps
 from effpretrain.reporting import RunClock, RunReport, build_summary
 from effpretrain.run_model import build_run_model
 from effpretrain.signals import StopSignals
 from optimizers._sharded import local as _local
 
-__all__ = ["NonFiniteError", "Progress", "Trainer", "check_launch", "evaluate_checkpoint", "train"]
+__all__ = [
+    "NonFiniteError",
+    "Progress",
+    "Trainer",
+    "check_launch",
+    "evaluate_checkpoint",
+    "memory_steps",
+    "train",
+]
 
 log = logging.getLogger("effpretrain")
 
@@ -71,11 +79,18 @@ class Trainer:
     """Owns the run's objects; `fit()` is the loop."""
 
     def __init__(
-        self, cfg: RunConfig, out_dir: Path, resume: str | None = None, allow_config_change: bool = False
+        self,
+        cfg: RunConfig,
+        out_dir: Path,
+        resume: str | None = None,
+        allow_config_change: bool = False,
+        allow_oversubscribe: bool = False,
     ):
         self.cfg, self.out = cfg, out_dir
         _check_writable_dir(self.out)  # before any work: a run that cannot write is refused now
         self._set_up_processes()
+        if not allow_oversubscribe:
+            self._preflight()
         # Resume target first: a bad --resume must fail before any work or any write.
         self.resume_path = self._resume_target(resume)
         self._set_up_data()
@@ -83,6 +98,10 @@ class Trainer:
         self.progress = Progress()
         self.opt_seconds = 0.0  # wall time inside optimizer.step() (events included), this process
         self.grad_bytes = 0  # measured per rank after the first step
+        self.memory_steps = set(memory_steps(cfg))
+        # One entry per measured step: the per-rank measurements (memory_measure.measure_step).
+        self.memory_records: list[list[dict[str, Any]]] = []
+        self._measured: dict[str, Any] | None = None  # this step's, until it is reported
         self._saved_step: int | None = None  # the step whose checkpoint this run wrote or resumed
         if self.resume_path is not None:
             self._load(self.resume_path, allow_config_change)
@@ -98,6 +117,15 @@ class Trainer:
         check_launch(self.world, self.cfg)
         warm_start_steps(self.cfg, self.world)  # refuse an impossible warm start before any work
         set_seed(self.cfg.train.seed)
+
+    def _preflight(self) -> None:
+        """Refuses, before any data or model is built, a run whose estimated per-rank peak exceeds
+        this process's device memory (`memory_measure.check_fits`). The vocabulary is the builtin
+        tokenizer's configured size, or the preset's for a named tokenizer (not loaded yet)."""
+        d = self.cfg.data
+        vocab = d.vocab_size if d.tokenizer == "builtin-bpe" else None
+        est = memory.estimate_from_config(self.cfg, vocab, self.world, self._sharding())
+        memory_measure.check_fits(est, self.acc.device)
 
     def _resume_target(self, resume: str | None) -> Path | None:
         path = ckpt.find_resume(self.out, resume) if resume else None
@@ -144,7 +172,7 @@ class Trainer:
         model, self.factor_report = build_run_model(self.cfg, self.tok.vocab_size)
         if self.cfg.factor.warm_start_steps:
             begin_warm_start_(model)  # before DDP wraps it: DDP reduces what requires grad now
-        set_activation_checkpointing(model, t.activation_checkpointing)
+        set_activation_checkpointing(model, self._checkpointed_layers())
         if t.precision == "bf16-pure":
             model = model.to(torch.bfloat16)
         model = model.to(self.acc.device)
@@ -153,6 +181,20 @@ class Trainer:
         if self.fsdp:
             model = fsdp.apply_fsdp2(model)
         return model
+
+    def _checkpointed_layers(self) -> int | list[int]:
+        """`train.activation_checkpointing`; for ``auto`` the estimator's plan, logged."""
+        t = self.cfg.train
+        if t.activation_checkpointing != "auto":
+            return t.activation_checkpointing
+        layers, est = memory.plan_checkpointing(self.cfg, self.tok.vocab_size, self.world, self._sharding())
+        log.info(
+            "activation_checkpointing=auto: layers %s within %g GB (estimated peak %.3f GB)",
+            layers,
+            t.memory_budget_gb,
+            est.peak / 1e9,
+        )
+        return layers
 
     def _set_up_model_and_optimizer(self, model: torch.nn.Module) -> None:
         opt, self.sched = build_optimizer_and_schedule(model, self.cfg)
@@ -204,6 +246,7 @@ class Trainer:
             stop.enter_loop()
             while not (stopped := self._stop_agreed(stop)) and p.step < max_steps:
                 loss, gnorm, finite = self._timed_step(clock)
+                self._report_memory(report)
                 if not finite:
                     self._skip(report, loss, gnorm)
                     continue
@@ -235,10 +278,45 @@ class Trainer:
 
     def _timed_step(self, clock: RunClock) -> tuple[float, float, bool]:
         clock.start_step()
-        out = self._train_step()
+        step = self.progress.step + 1
+        if step in self.memory_steps:
+            out = self._measured_step(step)
+        else:
+            out = self._train_step()
         if not self.grad_bytes:
             self.grad_bytes = self._grad_bytes()
         clock.end_step()
+        return out
+
+    def _measured_step(self, step: int) -> tuple[float, float, bool]:
+        """`_train_step` under `memory_measure.measure_step` (hooks on for this step only)."""
+        box: dict[str, Any] = {}
+        self._measured = memory_measure.measure_step(
+            lambda: box.setdefault("out", self._train_step()), self.model, self.inner_opt, step=step
+        )
+        return box["out"]
+
+    def _report_memory(self, report: RunReport) -> None:
+        """Writes the step's measured memory (every rank's: gathered, all ranks measure the same
+        steps) beside the estimate to metrics.jsonl, and keeps it for summary.json."""
+        if self._measured is None:
+            return
+        ranks, self._measured = self._gather_small(self._measured), None
+        self.memory_records.append(ranks)
+        est = memory.estimate_from_config(self.cfg, self.tok.vocab_size, self.world, self._sharding())
+        rec = {"event": "memory", "step": ranks[0]["step"], "measured": ranks[0], "estimate": est.as_dict()}
+        if self.world > 1:
+            rec["ranks"] = ranks
+        report.write(rec)
+
+    def _gather_small(self, obj: Any) -> list[Any]:
+        """`obj` from every rank, in rank order (a small picklable object)."""
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
         return out
 
     def _skip(self, report: RunReport, loss: float, gnorm: float) -> None:
@@ -306,7 +384,7 @@ class Trainer:
                 "lr": self.sched.get_last_lr()[0],
                 "grad_norm": gnorm,
                 "tokens_per_s": self.tokens_per_step / max(clock.since_step_start(), 1e-9),
-                "peak_memory_bytes": memory.peak_memory_bytes(self.acc.device),
+                "peak_memory_bytes": memory_measure.process_peak_bytes(self.acc.device),
                 "optimizer_state_bytes": optimizers.measured_state_bytes(self.inner_opt),
                 **opt_telemetry(self.inner_opt),
                 "opt/step_s": self.opt_seconds,
@@ -351,6 +429,7 @@ class Trainer:
             val=last_val,
             clock=clock,
             grad_bytes=self.grad_bytes,
+            memory_records=self.memory_records,
             vocab_size=self.tok.vocab_size,
             sharding=self._sharding(),
         )
@@ -574,6 +653,27 @@ class Trainer:
         self.stream.load_state_dict(saved["ranks"][self.rank])
 
 
+def memory_steps(cfg: RunConfig) -> list[int]:
+    """The steps whose memory a run measures: `train.memory_steps` when set, else step 1, the
+    first basis refresh after it for a projected method (refreshes fall on steps 1, T + 1, 2T + 1,
+    ... with T = `optim.update_proj_gap`: optimizers/projected_adam.py) and the first restart (the
+    step after whose update it runs: `restarts.every`, counted after the warm start for a kind that
+    merges at restarts, as `optim_setup.wrap_restarts` sets it up); steps past `train.max_steps`
+    are dropped."""
+    t = cfg.train
+    if t.memory_steps is not None:
+        steps = list(t.memory_steps)
+    else:
+        steps = [1]
+        if optimizers.method_spec(cfg.optim.name).projects:
+            steps.append(cfg.optim.update_proj_gap + 1)
+        if cfg.restarts.every:
+            kind = cfg.factor.kind
+            merges = kind != "none" and factor_spec(kind).merges_at_restart
+            steps.append((cfg.factor.warm_start_steps if merges else 0) + cfg.restarts.every)
+    return sorted({s for s in steps if s <= t.max_steps})
+
+
 def _check_writable_dir(out: Path) -> None:
     """ConfigError unless `out` is (or can be created as) a directory this process can write."""
     existing = next((p for p in (out, *out.parents) if p.exists()), None)
@@ -584,7 +684,11 @@ def _check_writable_dir(out: Path) -> None:
 
 
 def train(
-    cfg: RunConfig, out_dir: str | Path, resume: str | None = None, allow_config_change: bool = False
+    cfg: RunConfig,
+    out_dir: str | Path,
+    resume: str | None = None,
+    allow_config_change: bool = False,
+    allow_oversubscribe: bool = False,
 ) -> dict[str, Any]:
     """Runs one training job to completion (or to a signal) and returns its summary.
 
@@ -593,13 +697,16 @@ def train(
     ``{"stopped_by_signal": signum, "step": n}``), a second stops at once. The previous handlers
     are back when this returns or raises.
 
+    `allow_oversubscribe` skips the pre-flight memory check (`Trainer._preflight`).
+
     Raises:
-        ConfigError: bad config, data, resume target or launch.
+        ConfigError: bad config, data, resume target or launch; an estimated peak beyond the
+            device's memory.
         NonFiniteError: too many consecutive non-finite steps.
         effpretrain.signals.RunInterrupted: stopped at once by a signal (no checkpoint written).
     """
     with StopSignals() as stop:
-        return Trainer(cfg, Path(out_dir), resume, allow_config_change).fit(stop)
+        return Trainer(cfg, Path(out_dir), resume, allow_config_change, allow_oversubscribe).fit(stop)
 
 
 def evaluate_checkpoint(checkpoint: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
@@ -629,7 +736,8 @@ def evaluate_checkpoint(checkpoint: str | Path, overrides: list[str] | None = No
     cfg.dist.sharding = "ddp"
     weights = ckpt.read_model_state(path, state)
     with tempfile.TemporaryDirectory() as scratch:  # a fresh trainer: the run folder is not touched
-        trainer = Trainer(cfg, Path(scratch))
+        # No pre-flight: evaluation holds no gradients, optimizer state or training activations.
+        trainer = Trainer(cfg, Path(scratch), allow_oversubscribe=True)
         ckpt.load_model_weights(trainer.acc.unwrap_model(trainer.model), weights, path)
         result = trainer.evaluate()
     return {

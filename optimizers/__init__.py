@@ -41,6 +41,58 @@ def _torch_adamw_state_bytes(shape: tuple[int, ...], group: dict[str, Any], dtyp
     return 2 * math.prod(shape) * dtype.itemsize + 4
 
 
+# Step transients: bytes of the temporaries a method holds while it steps one parameter (the
+# estimator's optimizer-step moment adds them to weights + gradients + state). s = itemsize, k =
+# min(m, n) for an m x n matrix. Derived from each class's step and checked against measured peaks
+# where the step is a run's largest moment; an upper bound where the class's path varies (bases).
+
+
+def _foreach_adam_transient(shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+    """torch's foreach AdamW: ``sqrt(v)`` (then divided in place) for every tensor at once:
+    ``numel s`` per tensor, summed over tensors (`MethodSpec.foreach`)."""
+    return math.prod(shape) * dtype.itemsize
+
+
+def _dense_update_transient(shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+    """A per-tensor Adam-style step: the denominator and the update, ``2 numel s``."""
+    return 2 * math.prod(shape) * dtype.itemsize
+
+
+def _projected_transient(shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+    """`ProjectedAdam` (GaLore, Fira, APOLLO): an unprojected tensor's step holds one full-size
+    temporary (``numel s``, measured); a projected m x n matrix at a basis refresh (its largest
+    step) the fp32 copy of the gradient (``4 m n``), a thin SVD's workspace (``4 (m k + k + k n)``,
+    an upper bound for the randomized and random bases) and the full-size update projected back
+    (``m n s``)."""
+    if "rank" not in group or len(shape) != 2:
+        return math.prod(shape) * dtype.itemsize
+    m, n = shape
+    k = min(m, n)
+    return 4 * m * n + 4 * (m * k + k + k * n) + m * n * dtype.itemsize
+
+
+def _dequantised_transient(shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+    """`ProjectedAdam` with 8-bit moments (GaLore 8-bit): the moments dequantised to fp32
+    (``2 * 4`` per moment element), the update (``s`` per element) and the re-quantised codes
+    (``2`` per element), per moment element: ``numel`` for an unprojected tensor (measured),
+    ``k max(m, n)`` for a projected matrix, whose refresh adds `_projected_transient`."""
+    if "rank" in group and len(shape) == 2:
+        elements = min(group["rank"], *shape) * max(shape)
+        return (10 + dtype.itemsize) * elements + _projected_transient(shape, group, dtype)
+    return (10 + dtype.itemsize) * math.prod(shape)
+
+
+def _clipped_update_transient(shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+    """Stable-SPAM: its adaptive clipping and norm scaling each make a full-size copy of the
+    gradient before the Adam update's own temporary: ``3 numel s`` (measured)."""
+    return 3 * math.prod(shape) * dtype.itemsize
+
+
+def _fused_transient(shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+    """bitsandbytes' fused 8-bit AdamW kernel dequantises block by block: no full-size temporary."""
+    return 0
+
+
 @dataclass(frozen=True)
 class MethodSpec:
     """Every per-method fact, for one optimizer name.
@@ -54,6 +106,10 @@ class MethodSpec:
         defaults: constructor keywords the toolkit passes unless the caller gives them.
         state_bytes_fn: the state formula for a class that has no ``state_bytes`` classmethod of
             its own (torch's AdamW); our classes document and test theirs.
+        step_transient_fn: bytes of the temporaries the step holds for one parameter
+            (`step_transient_bytes`); default `_dense_update_transient`.
+        foreach: the class steps every tensor at once (torch's foreach path), so the transients of
+            all tensors are live together; otherwise one tensor at a time (the largest counts).
     """
 
     name: str
@@ -62,6 +118,8 @@ class MethodSpec:
     needs_total_steps: bool = False
     defaults: Mapping[str, Any] = field(default_factory=dict)
     state_bytes_fn: Callable[[tuple[int, ...], dict[str, Any], torch.dtype], int] | None = None
+    step_transient_fn: Callable[[tuple[int, ...], dict[str, Any], torch.dtype], int] | None = None
+    foreach: bool = False
 
     @property
     def class_name(self) -> str:
@@ -130,6 +188,12 @@ class MethodSpec:
         fn = self.state_bytes_fn or self.cls.state_bytes
         return int(fn(tuple(shape), group, dtype))
 
+    def step_transient_bytes(self, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+        """Bytes of the temporaries the step holds while it updates one parameter of `shape` (at a
+        basis refresh for a projecting method: its largest step)."""
+        fn = self.step_transient_fn or _dense_update_transient
+        return int(fn(tuple(shape), group, dtype))
+
 
 def _spec(**kw: Any) -> MethodSpec:
     kw["defaults"] = MappingProxyType(dict(kw.get("defaults", {})))
@@ -145,15 +209,19 @@ METHODS: dict[str, MethodSpec] = {
             # foreach: torch's fastest CPU/GPU path that is also deterministic.
             defaults={"foreach": True},
             state_bytes_fn=_torch_adamw_state_bytes,
+            step_transient_fn=_foreach_adam_transient,
+            foreach=True,
         ),
         _spec(
             name="adamw_8bit",
             target="optimizers.adamw_8bit:AdamW8bit",
+            step_transient_fn=_fused_transient,
         ),
         _spec(
             name="stable_spam",
             target="optimizers.stable_spam:StableSPAM",
             needs_total_steps=True,
+            step_transient_fn=_clipped_update_transient,
         ),
         _spec(
             name="spam",
@@ -163,26 +231,31 @@ METHODS: dict[str, MethodSpec] = {
             name="galore",
             target="optimizers.galore:GaLoreAdamW",
             projects=True,
+            step_transient_fn=_projected_transient,
         ),
         _spec(
             name="galore_8bit",
             target="optimizers.galore_8bit:GaLoreAdamW8bit",
             projects=True,
+            step_transient_fn=_dequantised_transient,
         ),
         _spec(
             name="fira",
             target="optimizers.fira:FiraAdamW",
             projects=True,
+            step_transient_fn=_projected_transient,
         ),
         _spec(
             name="apollo",
             target="optimizers.apollo:APOLLOAdamW",
             projects=True,
+            step_transient_fn=_projected_transient,
         ),
         _spec(
             name="apollo_mini",
             target="optimizers.apollo:APOLLOMini",
             projects=True,
+            step_transient_fn=_projected_transient,
         ),
     )
 }

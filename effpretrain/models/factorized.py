@@ -412,6 +412,9 @@ class FactorSpec:
         materializes_dense: the forward forms the dense m x n weight (SLTrain as implemented).
         warm_starts: may train its frozen W0 full rank, factors frozen, for the first
             `factor.warm_start_steps` steps (ReLoRA's warm start); needs `frozen_dense`.
+        saves_rank_input: its forward saves the scaled r-dim intermediate s (A x) for backward
+            (tokens x r per layer; the second product's input). False for SLTrain, whose Function
+            saves only x (shared with the block) and its parameters.
     """
 
     name: str
@@ -422,6 +425,7 @@ class FactorSpec:
     merges_at_restart: bool = False
     materializes_dense: bool = False
     warm_starts: bool = False
+    saves_rank_input: bool = True
 
     def __post_init__(self) -> None:
         if self.warm_starts and not self.frozen_dense:
@@ -450,6 +454,14 @@ class FactorSpec:
             return 6.0 * m * n + (6.0 * m * n * rank / tokens_per_step if tokens_per_step else 0.0)
         return 6.0 * rank * (m + n) + (4.0 * m * n if self.frozen_dense else 0.0)
 
+    def restart_transient_bytes(self, m: int, n: int, rank: int) -> int:
+        """Bytes one m x n layer's restart holds at once (fp32): a merge (`merges_at_restart`)
+        forms s B A and W0 + s B A (``2 * 4 m n``); a refactorization rebalances B and A through
+        fp32 copies and their QR factors (``2 * 4 r (m + n)``); 0 for a kind with neither."""
+        if self.merges_at_restart:
+            return 8 * m * n
+        return 8 * rank * (m + n) if self.refactorizable else 0
+
 
 FACTOR_KINDS: dict[str, FactorSpec] = {
     s.name: s
@@ -469,6 +481,7 @@ FACTOR_KINDS: dict[str, FactorSpec] = {
             SLTrainLinear,
             sparse=True,
             materializes_dense=True,
+            saves_rank_input=False,
         ),
     )
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -65,8 +66,9 @@ def build_model(preset: str, vocab_size: int | None = None, max_positions: int =
     return model
 
 
-def set_activation_checkpointing(model: torch.nn.Module, every: int) -> int:
-    """Checkpoints every `every`-th decoder layer (0 disables); returns how many layers are.
+def set_activation_checkpointing(model: torch.nn.Module, every: int | Collection[int]) -> int:
+    """Checkpoints every `every`-th decoder layer (0 disables), or the layers whose indices
+    `every` lists; returns how many layers are.
 
     Works on transformers' GradientCheckpointingLayer blocks directly, so "every k layers"
     does not depend on the transformers version's own enabling API.
@@ -75,9 +77,10 @@ def set_activation_checkpointing(model: torch.nn.Module, every: int) -> int:
 
     fn = functools.partial(checkpoint, use_reentrant=False)
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    chosen = set(range(0, len(layers), every) if every > 0 else ()) if isinstance(every, int) else set(every)
     count = 0
     for i, layer in enumerate(layers):
-        on = every > 0 and i % every == 0
+        on = i in chosen
         layer.gradient_checkpointing = on
         layer._gradient_checkpointing_func = fn
         count += on

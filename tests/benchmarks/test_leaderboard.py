@@ -211,7 +211,10 @@ def test_collect_run_reads_summary_metrics_and_config(tmp_path):
     params = 2 * V * h + L * (4 * h * h + 3 * h * i + 2 * h) + h
     summary = {"method": "adamw", "model": "tiny", "params": params, "steps": 8, "tokens": 4096,
                "final_val_ppl": 100.0, "tokens_per_s": 512.0, "device": "cpu (x86_64, 2 cores)",
-               "estimated": {"total": 5, "weights": 1}, "opt/refreshes": 3, "opt/refresh_s": 0.5}  # fmt: skip
+               "estimated": {"total": 5, "weights": 1}, "opt/refreshes": 3, "opt/refresh_s": 0.5,
+               "memory_measured": {"max": {"weights": 1, "gradients": 1, "optimizer_state": 2,
+                                           "activations": 3, "temporaries": 4, "peak": 11, "step_at_peak": 1},
+                                   "steps": [], "ranks": []}}  # fmt: skip
     (run / "summary.json").write_text(json.dumps(summary))
     (run / "metrics.jsonl").write_text(
         '{"step": 4, "tokens": 2048, "loss": 5.0, "opt/refreshes": 1}\n'
@@ -230,6 +233,7 @@ def test_collect_run_reads_summary_metrics_and_config(tmp_path):
     assert row["flops_per_token"] == flops_per_token("tiny", V, 32)
     assert row["hardware"] == lb.cpu_description() and "cores" in row["hardware"]
     assert row["estimated"]["total"] == 5
+    assert row["measured"] == dict(zip(lb.MEASURED_KEYS, (1, 1, 2, 3, 4, 11)))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,452 @@
+"""Measured memory of one training step, by category, on any device.
+
+`measure_step(run_step, model, optimizer)` runs ``run_step()`` once (forward, backward, optimizer
+step, zero_grad: whatever the callable does) and returns, in bytes per process:
+
+- ``weights``: the distinct storages of the model's parameters and persistent buffers;
+- ``gradients``: the distinct storages the parameters' ``.grad`` point into (at the optimizer
+  step; under DDP with ``gradient_as_bucket_view`` these are the communication buckets);
+- ``optimizer_state``: the distinct storages of the tensors in ``optimizer.state`` (equal to
+  `optimizers.measured_state_bytes` when no state tensor is a view into a larger storage);
+- ``activations``: the largest total, at any moment, of storages that autograd saved for
+  backward (`torch.autograd.graph.saved_tensors_hooks`), which is reached when backward starts;
+- ``peak``: the largest total of live tensor bytes during the step;
+- ``temporaries``: ``peak`` minus the four categories' bytes live at the moment of the peak;
+- ``phase_at_peak``: ``start``, ``forward`` (the loss included), ``backward`` (clipping included),
+  ``optimizer_step`` or ``zero_grad`` (what follows the optimizer step);
+- ``at_peak``: the four categories' bytes live at the peak moment; ``step``; ``device``.
+
+A storage shared by several categories counts once, in the first of weights, gradients,
+optimizer_state, activations. Each distinct storage counts its whole size (``nbytes``), as the
+allocator holds it.
+
+How it is measured:
+
+- CPU (any non-CUDA device): tensor accounting. A `TorchDispatchMode` sees every operator; the
+  storage of each output not seen before is an allocation, and a `weakref.finalize` on the
+  storage records its release. Storages that existed before the step (weights, state, buffers,
+  the batch, DDP's buckets) are counted from the step's start, found either up front (the
+  categories) or when an operator first reads them. Replaying the allocation log gives the peak,
+  the set of live storages at that moment and so the categories at the peak. Process RSS, which
+  includes the Python and torch runtime, plays no part.
+- CUDA: the caching allocator's ``max_memory_allocated``, reset at every phase boundary, gives the
+  peak and its phase (all tensors on the device, as the allocator sees them); the categories come
+  from the same storage accounting (no dispatch mode), and ``at_peak`` takes each category's larger
+  value at the two boundaries of the peak's phase (an approximation: the allocator does not say
+  which tensors were live at its peak).
+
+Only the measured call runs under these hooks; every hook (forward pre-hook, saved-tensor hooks,
+dispatch mode, finalizers, the optimizer's patched ``step``/``zero_grad``) is removed before
+`measure_step` returns, so later steps run untouched.
+
+Under activation checkpointing (non-reentrant), the blocks' own saved tensors are held by the
+checkpoint's frames, not by our saved-tensor hooks: ``activations`` then counts what is saved
+outside the checkpointed blocks, and the inputs the checkpoints keep show up in ``temporaries``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+from optimizers._sharded import local as _local
+
+__all__ = [
+    "CATEGORIES",
+    "MEASURED_KEYS",
+    "biggest_term",
+    "check_fits",
+    "device_memory_limit",
+    "measure_step",
+    "process_peak_bytes",
+]
+
+#: The categories in priority order: a storage shared by two counts in the first.
+CATEGORIES: tuple[str, ...] = ("weights", "gradients", "optimizer_state", "activations")
+#: Phases during which autograd's graph (and what it saved) can be alive.
+_GRAPH_PHASES = ("forward", "backward")
+#: The byte fields of a measurement.
+MEASURED_KEYS: tuple[str, ...] = (*CATEGORIES, "temporaries", "peak")
+
+
+def _storage(t: Any) -> torch.UntypedStorage | None:
+    """The untyped storage behind `t` (a DTensor's local shard), or None when it has none."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    t = _local(t)
+    if t.device.type == "meta" or is_traceable_wrapper_subclass(t):
+        return None
+    try:
+        st = t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return st if st.nbytes() else None
+
+
+def _inner_optimizer(optimizer: Any) -> Any:
+    """Below Accelerate's wrapper, as `optimizers.measured_state_bytes` reads it."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+class _Registry:
+    """Every storage the step touches, each with an id for its lifetime, its bytes, and a log of
+    allocations (+bytes) and releases (-bytes) in order, each with the phase it happened in."""
+
+    def __init__(self) -> None:
+        self.phase = "start"
+        self.ids: dict[int, int] = {}  # StorageImpl address -> id, while alive
+        self.nbytes: dict[int, int] = {}  # id -> bytes
+        self.pre: set[int] = set()  # ids alive before the step
+        self.log: list[tuple[int, int, str]] = []
+        self.cats: dict[str, set[int]] = {c: set() for c in CATEGORIES}
+        self.saved_live = 0
+        self.saved_max = 0
+        self._fins: dict[int, weakref.finalize] = {}
+
+    def id_of(self, st: torch.UntypedStorage, allocated: bool) -> int:
+        """The storage's id, registering it on first sight: as allocated now (logged) or as alive
+        since before the step."""
+        key = st._cdata
+        sid = self.ids.get(key)
+        if sid is None:
+            sid = len(self.nbytes)
+            self.ids[key], self.nbytes[sid] = sid, st.nbytes()
+            if allocated:
+                self.log.append((sid, self.nbytes[sid], self.phase))
+            else:
+                self.pre.add(sid)
+            self._fins[sid] = weakref.finalize(st, self._release, key, sid)
+        return sid
+
+    def _release(self, key: int, sid: int) -> None:
+        self.ids.pop(key, None)
+        self._fins.pop(sid, None)
+        self.log.append((sid, -self.nbytes[sid], self.phase))
+        if sid in self.cats["activations"] and self._plain(sid):
+            self.saved_live -= self.nbytes[sid]
+
+    def _plain(self, sid: int) -> bool:
+        """Not weights, gradients or optimizer state (which outrank activations)."""
+        return not any(sid in self.cats[c] for c in CATEGORIES[:3])
+
+    def add(self, category: str, tensors: Iterable[Any], allocated: bool = False) -> None:
+        for t in tensors:
+            st = _storage(t)
+            if st is not None:
+                self.cats[category].add(self.id_of(st, allocated))
+
+    def saved(self, st: torch.UntypedStorage, allocated: bool) -> None:
+        sid = self.id_of(st, allocated)
+        if sid not in self.cats["activations"]:
+            self.cats["activations"].add(sid)
+            if self._plain(sid):
+                self.saved_live += self.nbytes[sid]
+                self.saved_max = max(self.saved_max, self.saved_live)
+
+    def close(self) -> None:
+        """Detaches the finalizers of storages that outlive the step."""
+        for fin in list(self._fins.values()):
+            fin.detach()
+        self._fins.clear()
+
+    def owned(self) -> dict[str, set[int]]:
+        """Each category's ids, a shared storage kept only in the first category that has it."""
+        seen: set[int] = set()
+        out = {}
+        for c in CATEGORIES:
+            out[c] = self.cats[c] - seen
+            seen |= out[c]
+        return out
+
+    def bytes_of(self, ids: Iterable[int]) -> int:
+        return sum(self.nbytes[i] for i in ids)
+
+
+class _Meter(TorchDispatchMode):
+    """Sees every operator: registers the storages it reads (alive before, if new) and writes."""
+
+    def __init__(self, reg: _Registry) -> None:
+        super().__init__()
+        self.reg = reg
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        for t in pytree.tree_leaves((args, kwargs)):
+            st = _storage(t)
+            if st is not None:
+                self.reg.id_of(st, allocated=False)
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            st = _storage(t)
+            if st is not None:
+                self.reg.id_of(st, allocated=True)
+        return out
+
+
+def _replay(reg: _Registry) -> tuple[int, set[int], str]:
+    """Peak live bytes over the log, the ids live at that moment and its phase."""
+    cur = reg.bytes_of(reg.pre)
+    peak, at, phase = cur, 0, "start"
+    for i, (_, delta, ph) in enumerate(reg.log):
+        cur += delta
+        if cur > peak:
+            peak, at, phase = cur, i + 1, ph
+    live = set(reg.pre)
+    for sid, delta, _ in reg.log[:at]:
+        if delta > 0:
+            live.add(sid)
+        else:
+            live.discard(sid)
+    return peak, live, phase
+
+
+#: Per CUDA device, the allocator's largest peak that a measured step's resets took away from
+#: ``max_memory_allocated`` (`process_peak_bytes` puts it back).
+_CUDA_PEAK_FLOOR: dict[str, int] = {}
+
+
+def _raise_floor(device: torch.device) -> None:
+    key = str(device)
+    _CUDA_PEAK_FLOOR[key] = max(_CUDA_PEAK_FLOOR.get(key, 0), int(torch.cuda.max_memory_allocated(device)))
+
+
+def process_peak_bytes(device: torch.device) -> int:
+    """`effpretrain.memory.peak_memory_bytes` (CUDA max allocated, or the process's peak RSS),
+    including the CUDA peaks from before a measured step's per-phase resets."""
+    from effpretrain.memory import peak_memory_bytes
+
+    return max(peak_memory_bytes(device), _CUDA_PEAK_FLOOR.get(str(device), 0))
+
+
+class _CudaPhases:
+    """The allocator's peak per phase (reset at each boundary) and category snapshots there."""
+
+    def __init__(self, device: torch.device, snapshot: Callable[[], dict[str, int]]) -> None:
+        self.device, self.snapshot = device, snapshot
+        self.peaks: list[tuple[int, str, dict[str, int], dict[str, int]]] = []
+        _raise_floor(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        self.start = snapshot()
+
+    def boundary(self, phase: str) -> None:
+        end = self.snapshot()
+        self.peaks.append((int(torch.cuda.max_memory_allocated(self.device)), phase, self.start, end))
+        _raise_floor(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.start = end
+
+    def result(self) -> tuple[int, str, dict[str, int]]:
+        peak, phase, a, b = max(self.peaks, key=lambda p: p[0])
+        return peak, phase, {c: max(a[c], b[c]) for c in CATEGORIES}
+
+
+class _Step:
+    """The hooks of one measured step: phase changes and category collection."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any, device: torch.device) -> None:
+        self.model, self.opt, self.reg = model, _inner_optimizer(optimizer), _Registry()
+        self.cuda = _CudaPhases(device, self._snapshot) if device.type == "cuda" else None
+
+    def params(self) -> list[torch.Tensor]:
+        return list(self.model.parameters())
+
+    def collect(self, weights: bool = False) -> None:
+        """Registers the storages of the current gradients and optimizer state, and with `weights`
+        those of the parameters and persistent buffers: only outside forward and backward, where
+        FSDP2's modules hold gathered copies of their parameters (and state_dict() would put the
+        sharded ones back in the middle of a forward)."""
+        reg = self.reg
+        if weights:
+            reg.add("weights", self.params())
+            reg.add("weights", _persistent_buffers(self.model))
+        reg.add("gradients", (p.grad for p in self.params() if p.grad is not None))
+        reg.add("optimizer_state", (v for st in self.opt.state.values() for v in st.values()))
+
+    def enter(self, phase: str) -> None:
+        if phase == self.reg.phase:
+            return
+        self.collect()
+        if self.cuda is not None:
+            self.cuda.boundary(self.reg.phase)
+        self.reg.phase = phase
+
+    def _snapshot(self) -> dict[str, int]:
+        """Bytes of each category alive now (CUDA's boundaries)."""
+        self.collect()
+        owned = self.reg.owned()
+        alive = set(self.reg.ids.values())
+        snap = {c: self.reg.bytes_of(owned[c] & alive) for c in CATEGORIES[:3]}
+        snap["activations"] = self.reg.saved_live
+        return snap
+
+    @contextlib.contextmanager
+    def hooks(self) -> Iterator[None]:
+        """Installs every hook of the measured step and removes all of them on the way out."""
+        pre = self.model.register_forward_pre_hook(lambda *_: self.enter("forward"))
+        patched = {}
+        for name, phase in (("step", "optimizer_step"), ("zero_grad", "zero_grad")):
+            patched[name] = self.opt.__dict__.get(name)
+            setattr(self.opt, name, self._entering(phase, getattr(self.opt, name)))
+        allocated = self.cuda is not None  # on CPU the dispatch mode has seen the allocation
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            st = _storage(t)
+            if st is not None:
+                self.reg.saved(st, allocated)
+            return t
+
+        def unpack(t: torch.Tensor) -> torch.Tensor:
+            if self.reg.phase == "forward":
+                self.enter("backward")
+            return t
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                yield
+        finally:
+            pre.remove()
+            for name, old in patched.items():
+                if old is None:
+                    self.opt.__dict__.pop(name, None)
+                else:
+                    setattr(self.opt, name, old)
+
+    def _entering(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)  # its signature too: Accelerate inspects zero_grad's parameters
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.enter(phase)
+            return fn(*args, **kwargs)
+
+        return call
+
+
+def _persistent_buffers(model: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """The buffers a state_dict holds (SLTrain's sparse index; not rotary's inv_freq)."""
+    for mod in model.modules():
+        for name, b in mod._buffers.items():
+            if b is not None and name not in mod._non_persistent_buffers_set:
+                yield b
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    p = next(iter(model.parameters()), None)
+    return _local(p).device if p is not None else torch.device("cpu")
+
+
+def measure_step(run_step: Callable[[], Any], model: torch.nn.Module, optimizer: Any, step: int = 0) -> dict:
+    """Runs ``run_step()`` once under memory accounting and returns its breakdown (module
+    docstring): weights, gradients, optimizer_state, activations, temporaries, peak (bytes),
+    at_peak, phase_at_peak, step (`step`, as given) and device.
+
+    Args:
+        run_step: one training step (its return value is discarded).
+        model: the model it trains (a DDP or FSDP2 wrapper is fine).
+        optimizer: the optimizer it steps (Accelerate's wrapper is fine); its ``step`` and
+            ``zero_grad`` mark the phases.
+        step: the step number to record.
+    """
+    device = _device(model)
+    rec = _Step(model, optimizer, device)
+    meter = _Meter(rec.reg) if rec.cuda is None else contextlib.nullcontext()
+    try:
+        with rec.hooks(), meter:
+            rec.collect(weights=True)
+            run_step()
+            rec.collect(weights=True)
+            rec.enter("end")
+        return _result(rec, step, device)
+    finally:
+        rec.reg.close()
+
+
+def _result(rec: _Step, step: int, device: torch.device) -> dict:
+    reg = rec.reg
+    owned = reg.owned()
+    totals = {c: reg.bytes_of(owned[c]) for c in CATEGORIES[:3]}
+    totals["activations"] = reg.saved_max
+    if rec.cuda is None:
+        peak, live, phase = _replay(reg)
+        at_peak = {c: reg.bytes_of(owned[c] & live) for c in CATEGORIES}
+        if phase not in _GRAPH_PHASES:
+            # Backward has released the graph: a once-saved storage still alive (the batch) is
+            # no longer held for backward, so it counts as a temporary here.
+            at_peak["activations"] = 0
+    else:
+        peak, phase, at_peak = rec.cuda.result()
+    return {
+        **totals,
+        "temporaries": max(peak - sum(at_peak.values()), 0),
+        "peak": peak,
+        "at_peak": at_peak,
+        "phase_at_peak": phase,
+        "step": int(step),
+        "device": device.type,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Pre-flight: refuse a run whose estimated peak cannot fit, before anything is built.
+
+
+def device_memory_limit(device: torch.device) -> tuple[int, str]:
+    """Bytes one process may use on `device`, and what that figure is.
+
+    CUDA: the device's total memory. CPU: the available RAM (``MemAvailable`` from
+    /proc/meminfo, else free pages x page size) divided by the processes on this machine
+    (``LOCAL_WORLD_SIZE``), since they share it.
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory), f"{device} total memory"
+    avail = _mem_available()
+    local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
+    what = "available RAM" + (f" / {local} local processes" if local > 1 else "")
+    return avail // local, what
+
+
+def _mem_available() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def biggest_term(est: Any) -> tuple[str, int]:
+    """The largest term of an `effpretrain.memory.Estimate`'s peak (its ``peak_terms`` when the
+    estimator gives them, else the largest of weights, grads, optimizer state, activations)."""
+    terms = est.detail.get("peak_terms") or {
+        "weights": est.weights,
+        "grads": est.grads,
+        "optimizer_state": est.optimizer_state,
+        "activations": est.activations,
+    }
+    name = max(terms, key=lambda k: terms[k])
+    return name, int(terms[name])
+
+
+def check_fits(est: Any, device: torch.device) -> None:
+    """ConfigError (one line: the estimate, the limit, the biggest term) when the estimate's
+    per-rank peak (``peak``; ``total`` for an estimator without one) exceeds
+    `device_memory_limit`."""
+    from effpretrain.errors import ConfigError
+
+    peak = int(getattr(est, "peak", est.total))
+    limit, what = device_memory_limit(device)
+    if peak <= limit:
+        return
+    name, size = biggest_term(est)
+    raise ConfigError(
+        f"estimated peak memory {peak / 1e9:.2f} GB per process exceeds {what}, {limit / 1e9:.2f} GB "
+        f"(biggest term: {name} {size / 1e9:.2f} GB); reduce the batch, use activation checkpointing, "
+        "or pass --allow-oversubscribe to run anyway"
+    )

@@ -1,0 +1,324 @@
+"""Measured memory by category (effpretrain.memory_measure): exact on a toy model, equal to the
+estimator's weights, gradients and optimizer state on every tiny recipe, recorded by the trainer
+on the chosen steps only, and refused up front when a run cannot fit (pre-flight)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from distributed_helpers import run_worker_pair
+
+import optimizers
+from effpretrain import memory
+from effpretrain.config import load_config
+from effpretrain.loss import token_loss_sum
+from effpretrain.memory_measure import CATEGORIES, device_memory_limit, measure_step
+from effpretrain.models.factorized import warming_up
+from effpretrain.optim_setup import build_optimizer_and_schedule
+from effpretrain.run_model import build_run_model
+from effpretrain.trainer import memory_steps, train
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_RECIPES = sorted((ROOT / "recipes" / "tiny").glob("*.yaml"))
+
+B, D_IN, D_HID, D_OUT = 16, 64, 128, 32
+
+
+def _toy(foreach: bool = False):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(D_IN, D_HID), torch.nn.ReLU(), torch.nn.Linear(D_HID, D_OUT))
+    opt = torch.optim.AdamW(model.parameters(), foreach=foreach)
+    x = torch.randn(B, D_IN)
+    return model, opt, x
+
+
+def _toy_step(model, opt, x, extra: list | None = None):
+    def run():
+        loss = model(x).square().sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if extra is not None:
+            extra.append(torch.empty(extra[0] if extra else 0))
+
+    return run
+
+
+def test_toy_linear_stack_every_category_exact():
+    """Weights and gradients: sum numel * 4; AdamW state: 2x that plus a 4-byte step per tensor;
+    saved for backward: x (first Linear), the ReLU output (ReLU and the second Linear share it)
+    and the second Linear's output (square's input)."""
+    model, opt, x = _toy()
+    n = sum(p.numel() for p in model.parameters())
+    for step in (1, 2):  # step 1 creates the optimizer state, step 2 finds it
+        m = measure_step(_toy_step(model, opt, x), model, opt, step=step)
+        assert m["weights"] == 4 * n
+        assert m["gradients"] == 4 * n
+        assert m["optimizer_state"] == 8 * n + 4 * 4 == optimizers.measured_state_bytes(opt)
+        assert m["activations"] == 4 * (B * D_IN + B * D_HID + B * D_OUT)
+        assert m["step"] == step and m["device"] == "cpu"
+        # The peak holds at least what is alive during the optimizer step, and the parts add up.
+        assert m["peak"] >= 16 * n + 16
+        assert sum(m["at_peak"].values()) + m["temporaries"] == m["peak"]
+
+
+def test_a_transient_allocation_is_the_peak_in_its_phase():
+    """A 4 MB buffer allocated after zero_grad and released at once: the peak's phase is
+    zero_grad and the buffer is a temporary (nothing else is that large)."""
+    model, opt, x = _toy()
+    big = 1 << 20
+    m = measure_step(_toy_step(model, opt, x, extra=[big]), model, opt)
+    assert m["phase_at_peak"] == "zero_grad"
+    assert m["temporaries"] >= 4 * big
+    assert m["at_peak"]["gradients"] == 0  # set_to_none released them before
+    # Without it the step's peak is far lower: the buffer is measured, not an artefact.
+    model2, opt2, x2 = _toy()
+    assert measure_step(_toy_step(model2, opt2, x2), model2, opt2)["peak"] < m["peak"] - 3 * big
+
+
+def test_no_hook_is_left_installed():
+    model, opt, x = _toy()
+    measure_step(_toy_step(model, opt, x), model, opt)
+    assert "step" not in opt.__dict__ and "zero_grad" not in opt.__dict__
+    assert not model._forward_pre_hooks
+    assert torch._C._len_torch_dispatch_stack() == 0
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def _tiny_overrides() -> list[str]:
+    return ["data.seq_len=32", "data.vocab_size=512", "train.batch_size=4", "train.plot=false"]
+
+
+def _batch(vocab: int, rows: int = 4, seq: int = 32) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (rows, seq), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def _shared_state_bytes(opt) -> int:
+    """Bytes of optimizer-state tensors that repeat a storage already seen in the state."""
+    seen, extra = set(), 0
+    for st in getattr(opt, "optimizer", opt).state.values():
+        for v in st.values():
+            if torch.is_tensor(v):
+                key = v.untyped_storage().data_ptr()
+                extra += v.numel() * v.element_size() if key in seen else 0
+                seen.add(key)
+    return extra
+
+
+@pytest.mark.parametrize("recipe", TINY_RECIPES, ids=[p.stem for p in TINY_RECIPES])
+def test_tiny_recipe_measured_equals_estimate(recipe):
+    """Acceptance 1 (measured side): weights, gradients and optimizer state measured from the
+    tensors equal the estimator's exactly, for every tiny recipe (fp32, CPU)."""
+    cfg = load_config(recipe, _tiny_overrides())
+    vocab = cfg.data.vocab_size
+    torch.manual_seed(0)
+    model, _ = build_run_model(cfg, vocab)
+    opt, _ = build_optimizer_and_schedule(model, cfg)
+    batch = _batch(vocab)
+
+    def run():
+        s, _ = token_loss_sum(model, batch, packed=True)
+        s.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    m = measure_step(run, model, opt, step=1)
+    est = memory.estimate_from_config(cfg, vocab)
+    phase = est.detail.get("phases", {}).get("warm_start" if warming_up(model) else "factorized")
+    want = phase or {"weights": est.weights, "grads": est.grads, "optimizer_state": est.optimizer_state}
+    assert m["weights"] == want["weights"]
+    assert m["gradients"] == want["grads"]
+    # adamw_8bit shares one quantile map (qmap1, qmap2) between every parameter's state: held once,
+    # measured once, while the estimator and measured_state_bytes count it per parameter.
+    shared = _shared_state_bytes(opt)
+    assert m["optimizer_state"] + shared == want["optimizer_state"] == optimizers.measured_state_bytes(opt)
+    assert m["activations"] > 0 and m["peak"] >= sum(m["at_peak"].values())
+
+
+def test_default_memory_steps_follow_the_registries():
+    over = _tiny_overrides() + ["train.max_steps=300"]
+    assert memory_steps(load_config(ROOT / "recipes/tiny/adamw.yaml", over)) == [1]
+    galore = load_config(ROOT / "recipes/tiny/galore.yaml", over)
+    assert memory_steps(galore) == [1, galore.optim.update_proj_gap + 1]
+    restarts = load_config(ROOT / "recipes/tiny/lowrank_restarts.yaml", over)
+    assert memory_steps(restarts) == [1, restarts.restarts.every]
+    short = load_config(ROOT / "recipes/tiny/galore.yaml", _tiny_overrides() + ["train.max_steps=10"])
+    assert memory_steps(short) == [1]  # the refresh falls after the run
+    assert memory_steps(load_config(None, over + ["train.memory_steps=[]"])) == []
+    assert memory_steps(load_config(None, over + ["train.memory_steps=[5,2]"])) == [2, 5]
+
+
+def test_trainer_records_measured_steps_only(tmp_path):
+    over = _tiny_overrides() + [
+        "train.max_steps=4",
+        "train.eval_every=0",
+        "train.eval_tokens=256",
+        "train.memory_steps=[2,4]",
+    ]
+    cfg = load_config(ROOT / "recipes/tiny/adamw.yaml", over)
+    summary = train(cfg, tmp_path / "run")
+    events = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    mem = [e for e in events if e.get("event") == "memory"]
+    assert [e["step"] for e in mem] == [2, 4]
+    est = summary["estimated"]
+    for e in mem:
+        assert e["estimate"]["optimizer_state"] == est["optimizer_state"]
+        assert e["measured"]["optimizer_state"] == est["optimizer_state"]
+        assert e["measured"]["weights"] == est["weights"] and e["measured"]["gradients"] == est["grads"]
+    mm = json.loads((tmp_path / "run" / "summary.json").read_text())["memory_measured"]
+    assert [s["step"] for s in mm["steps"]] == [2, 4]
+    assert mm["max"]["peak"] == max(s["peak"] for s in mm["steps"])
+    assert set(CATEGORIES) <= set(mm["max"])
+    assert len(mm["ranks"]) == 1 and mm["ranks"][0]["steps"] == mm["steps"]
+
+
+DDP_WORKER = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+    import torch
+    import torch.distributed as dist
+    from effpretrain.config import load_config
+    from effpretrain.memory_measure import measure_step
+    from effpretrain.trainer import train
+
+    root, out, mode, common = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4:]
+    recipe = root / "recipes" / "tiny" / "adamw.yaml"
+    if mode == "one":  # the same micro-batches of 2 rows, one after the other
+        train(load_config(recipe, common + ["train.batch_size=2", "train.grad_accum=2"]), out / "1p")
+        sys.exit(0)
+    train(load_config(recipe, common + ["train.batch_size=2"]), out / "2p")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rows = {}
+    for view in (True, False):  # a plain DDP both ways: the measurement sees bucket copies
+        torch.manual_seed(0)
+        # Four equal layers: one layer's gradient, the most that is transiently outside the
+        # buckets (autograd's result before DDP copies it in), is a quarter of the whole.
+        net = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(4)))
+        ddp = torch.nn.parallel.DistributedDataParallel(net, gradient_as_bucket_view=view)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        x = torch.randn(4, 256)
+
+        def run():
+            ddp(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        run()  # step 1 rebuilds the buckets in the order gradients arrive
+        rows[str(view)] = measure_step(run, ddp, opt, step=2)
+    if dist.get_rank() == 0:
+        (out / "toy.json").write_text(json.dumps(rows))
+    """
+)
+
+
+def test_ddp_gradients_are_bucket_views_no_second_copy(tmp_path):
+    """Acceptance 3: under 2-process DDP (gloo) a rank's measured gradient memory is one full
+    gradient (the buckets are the gradients), and its peak has no extra full-gradient term over one
+    process running the same micro-batches; a plain DDP without gradient_as_bucket_view shows the
+    measurement does see that second copy."""
+    common = [
+        "data.seq_len=32",
+        "data.vocab_size=512",
+        "train.eval_tokens=256",
+        "train.max_steps=2",
+        "train.eval_every=0",
+        "train.plot=false",
+        "train.memory_steps=[2]",
+    ]
+    run_worker_pair(DDP_WORKER, tmp_path, common)
+    one = json.loads((tmp_path / "1p" / "summary.json").read_text())
+    two = json.loads((tmp_path / "2p" / "summary.json").read_text())
+    grads = one["estimated"]["grads"]
+    ranks = two["memory_measured"]["ranks"]
+    assert len(ranks) == 2 and two["world_size"] == 2
+    for r in ranks:
+        m = r["steps"][0]
+        assert m["step"] == 2
+        assert m["gradients"] == grads == two["estimated"]["grads"]
+        assert m["peak"] <= one["memory_measured"]["max"]["peak"] + grads // 4
+    toy = json.loads((tmp_path / "toy.json").read_text())
+    toy_grads = 4 * 4 * (256 * 256 + 256)
+    assert toy["True"]["gradients"] == toy["False"]["gradients"] == toy_grads
+    assert toy["True"]["temporaries"] < toy_grads // 2
+    assert toy["False"]["temporaries"] >= toy_grads
+
+
+def test_preflight_refuses_llama_1b_adamw_fp32_batch_64_within_seconds(tmp_path):
+    """Acceptance 5: its estimated peak (tens of GB per process) exceeds this machine's memory; the
+    run exits 2 in one line naming the estimate, before any data or model is built."""
+    import resource
+
+    from effpretrain import memory
+
+    cfg = load_config(ROOT / "recipes/llama_1b/adamw.yaml", ["train.precision=fp32", "train.batch_size=64"])
+    est = memory.estimate_from_config(cfg, None)
+    peak = getattr(est, "peak", est.total)
+    limit, _ = device_memory_limit(torch.device("cpu"))
+    assert peak > limit  # the premise on this machine
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    args = ["recipes/llama_1b/adamw.yaml", "--out", str(tmp_path / "run")]
+    args += ["--set", "train.precision=fp32", "--set", "train.batch_size=64"]
+    # CPU seconds of the child (imports, the meta-device estimate): wall time on a shared machine
+    # says more about the other processes than about this check.
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = subprocess.run(
+        [sys.executable, "-m", "effpretrain", "train", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    took = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert f"estimated peak memory {peak / 1e9:.2f} GB" in lines[0]
+    # (available RAM moves between two reads: the figure itself is not compared)
+    assert re.search(r"exceeds available RAM, [0-9.]+ GB \(biggest term: activations ", lines[0])
+    assert "--allow-oversubscribe" in lines[0]
+    assert took < 20, took
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_allow_oversubscribe_skips_the_preflight(tmp_path, monkeypatch):
+    from effpretrain import memory_measure
+    from effpretrain.errors import ConfigError
+
+    monkeypatch.setattr(memory_measure, "device_memory_limit", lambda device: (1000, "a 1 kB test limit"))
+    over = _tiny_overrides() + ["train.max_steps=1", "train.eval_every=0", "train.eval_tokens=256"]
+    cfg = load_config(ROOT / "recipes/tiny/adamw.yaml", over)
+    with pytest.raises(ConfigError, match=r"exceeds a 1 kB test limit, 0.00 GB \(biggest term: "):
+        train(cfg, tmp_path / "refused")
+    assert not (tmp_path / "refused" / "metrics.jsonl").exists()
+    summary = train(cfg, tmp_path / "run", allow_oversubscribe=True)
+    assert summary["steps"] == 1
+
+
+def test_measuring_a_step_leaves_training_bitwise_unchanged(tmp_path):
+    from safetensors.torch import load_file
+
+    over = _tiny_overrides() + ["train.max_steps=3", "train.eval_every=0", "train.eval_tokens=256"]
+    for name, steps in (("measured", "[1,2,3]"), ("plain", "[]")):
+        train(
+            load_config(ROOT / "recipes/tiny/galore.yaml", over + [f"train.memory_steps={steps}"]),
+            tmp_path / name,
+        )
+    a, b = (
+        load_file(str(tmp_path / n / "checkpoints" / "step-3" / "model.safetensors"))
+        for n in ("measured", "plain")
+    )
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((tmp_path / "plain" / "summary.json").read_text())["memory_measured"] is None
