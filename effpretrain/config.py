@@ -321,8 +321,9 @@ class TrainConfig:
     estimated peak into."""
     memory_steps: list[PositiveInt] | None = None
     """Steps whose memory is measured by category (`effpretrain.memory_measure`; metrics.jsonl
-    and summary.json `memory_measured`); `null`: step 1, the first basis refresh after it
-    (projected methods) and the first restart; `[]`: none. Other steps run without hooks."""
+    and summary.json `memory_measured`); `null`: steps 1 and 2 (the first with the optimizer
+    state alive throughout), the first basis refresh after them (projected methods) and the first
+    restart; `[]`: none. Other steps run without hooks."""
     max_consecutive_skips: PositiveInt = 5
     """Non-finite steps in a row (skipped) before the run stops."""
     trackers: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)

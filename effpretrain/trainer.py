@@ -654,8 +654,9 @@ class Trainer:
 
 
 def memory_steps(cfg: RunConfig) -> list[int]:
-    """The steps whose memory a run measures: `train.memory_steps` when set, else step 1, the
-    first basis refresh after it for a projected method (refreshes fall on steps 1, T + 1, 2T + 1,
+    """The steps whose memory a run measures: `train.memory_steps` when set, else steps 1 and 2
+    (the first builds the optimizer state, the second is the first to hold it from the start:
+    the steady state), the first basis refresh after them for a projected method (refreshes fall on steps 1, T + 1, 2T + 1,
     ... with T = `optim.update_proj_gap`: optimizers/projected_adam.py) and the first restart (the
     step after whose update it runs: `restarts.every`, counted after the warm start for a kind that
     merges at restarts, as `optim_setup.wrap_restarts` sets it up); steps past `train.max_steps`
@@ -664,7 +665,7 @@ def memory_steps(cfg: RunConfig) -> list[int]:
     if t.memory_steps is not None:
         steps = list(t.memory_steps)
     else:
-        steps = [1]
+        steps = [1, 2]
         if optimizers.method_spec(cfg.optim.name).projects:
             steps.append(cfg.optim.update_proj_gap + 1)
         if cfg.restarts.every:

@@ -147,13 +147,15 @@ def test_tiny_recipe_measured_equals_estimate(recipe):
 
 def test_default_memory_steps_follow_the_registries():
     over = _tiny_overrides() + ["train.max_steps=300"]
-    assert memory_steps(load_config(ROOT / "recipes/tiny/adamw.yaml", over)) == [1]
+    assert memory_steps(load_config(ROOT / "recipes/tiny/adamw.yaml", over)) == [1, 2]
     galore = load_config(ROOT / "recipes/tiny/galore.yaml", over)
-    assert memory_steps(galore) == [1, galore.optim.update_proj_gap + 1]
+    assert memory_steps(galore) == [1, 2, galore.optim.update_proj_gap + 1]
     restarts = load_config(ROOT / "recipes/tiny/lowrank_restarts.yaml", over)
-    assert memory_steps(restarts) == [1, restarts.restarts.every]
+    assert memory_steps(restarts) == [1, 2, restarts.restarts.every]
     short = load_config(ROOT / "recipes/tiny/galore.yaml", _tiny_overrides() + ["train.max_steps=10"])
-    assert memory_steps(short) == [1]  # the refresh falls after the run
+    assert memory_steps(short) == [1, 2]  # the refresh falls after the run
+    one = load_config(ROOT / "recipes/tiny/adamw.yaml", _tiny_overrides() + ["train.max_steps=1"])
+    assert memory_steps(one) == [1]
     assert memory_steps(load_config(None, over + ["train.memory_steps=[]"])) == []
     assert memory_steps(load_config(None, over + ["train.memory_steps=[5,2]"])) == [2, 5]
 
