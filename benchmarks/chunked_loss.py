@@ -1,0 +1,193 @@
+"""Chunked vs standard cross-entropy: training speed side by side, and the loss's own memory.
+
+1. Speed: two `Trainer`s of the same llama_20m fp32 run (same seed, so the same initial weights and
+   the same data stream), one with ``train.loss=standard`` and one with ``train.loss=chunked``, step
+   in alternating blocks in one process so that machine noise hits both alike; tokens/s of each and
+   their ratio (target: chunked >= 0.95 x standard; the default is chunked only at >= 0.99 x). The
+   two runs' losses are printed side by side too (they agree to ~1e-5: same steps, same data).
+2. Chunk size: the loss alone (forward + backward of `linear_cross_entropy` at the training
+   step's token count, the preset's hidden size and the vocabulary) for several chunk sizes, best of
+   three, the evidence for `train.loss_chunk_tokens`' default.
+3. Memory: at 8,192 tokens, vocabulary 32,000, hidden 256 (fp32, and bf16 autocast), the loss's own
+   bytes measured by `effpretrain.loss.measure_loss_bytes` (saved for backward, transient, peak)
+   beside `effpretrain.loss.loss_bytes`' prediction, standard vs chunked.
+
+Writes ``benchmarks/results/chunked_loss.json`` (commit, machine, torch version, date) and prints
+the tables. A few CPU-minutes with the defaults.
+
+    python benchmarks/chunked_loss.py [--rounds 4] [--steps 3] [--batch-size 8] [--seq-len 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from effpretrain.config import load_config
+from effpretrain.loss import DEFAULT_CHUNK_TOKENS, linear_cross_entropy, loss_bytes, measure_loss_bytes
+from effpretrain.models.llama import PRESETS
+from effpretrain.reporting import cpu_description, git_commit
+
+ROOT = Path(__file__).resolve().parent.parent
+KINDS = ("standard", "chunked")
+
+
+def training_speed(args: argparse.Namespace) -> dict:
+    """tokens/s of the standard- and chunked-loss runs, alternating blocks of `args.steps` steps."""
+    from effpretrain.trainer import Trainer
+
+    steps = 2 + args.rounds * args.steps
+    over = [
+        f"model.preset={args.preset}",
+        f"data.seq_len={args.seq_len}",
+        f"data.vocab_size={args.vocab}",
+        f"train.batch_size={args.batch_size}",
+        f"train.max_steps={steps}",
+        "train.eval_every=0",
+        "train.plot=false",
+        "train.precision=fp32",
+        f"train.loss_chunk_tokens={args.chunk_tokens}",
+        "optim.name=adamw",
+    ]
+    times = dict.fromkeys(KINDS, 0.0)
+    losses: dict[str, list[float]] = {k: [] for k in KINDS}
+    with tempfile.TemporaryDirectory() as tmp:
+        trainers = {k: Trainer(load_config(None, over + [f"train.loss={k}"]), Path(tmp) / k) for k in KINDS}
+        for tr in trainers.values():
+            tr.model.train()
+        for _ in range(2):  # warm-up, not timed
+            for k, tr in trainers.items():
+                losses[k].append(tr._train_step()[0])
+        for r in range(args.rounds):
+            for k in KINDS if r % 2 == 0 else KINDS[::-1]:
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    losses[k].append(trainers[k]._train_step()[0])
+                times[k] += time.perf_counter() - t0
+        vocab = trainers["standard"].tok.vocab_size
+    tokens = args.rounds * args.steps * args.batch_size * args.seq_len
+    tps = {k: tokens / times[k] for k in KINDS}
+    return {
+        "preset": args.preset,
+        "vocab": vocab,
+        "batch": [args.batch_size, args.seq_len],
+        "rounds": args.rounds,
+        "steps_per_block": args.steps,
+        "chunk_tokens": args.chunk_tokens,
+        "threads": torch.get_num_threads(),
+        "tokens_per_s": tps,
+        "ratio_chunked_over_standard": tps["chunked"] / tps["standard"],
+        "losses": losses,
+        "max_rel_loss_diff": max(abs(a - b) / abs(b) for a, b in zip(losses["chunked"], losses["standard"])),
+    }
+
+
+def chunk_sweep(tokens: int, vocab: int, hidden: int, chunks: list[int]) -> list[dict]:
+    """Seconds of one forward + backward of the loss alone (best of three) per chunk size."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(tokens, hidden, generator=g).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=g) * hidden**-0.5).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    rows = []
+    for kind, chunk in [("standard", 0), *(("chunked", c) for c in chunks)]:
+        best = float("inf")
+        for _ in range(3):
+            h.grad = w.grad = None
+            t0 = time.perf_counter()
+            linear_cross_entropy(h, w, labels, kind, max(chunk, 1)).backward()
+            best = min(best, time.perf_counter() - t0)
+        rows.append({"kind": kind, "chunk_tokens": chunk or None, "seconds": best})
+    return rows
+
+
+def memory_table(tokens: int, vocab: int, hidden: int, chunk: int) -> list[dict]:
+    """Measured and predicted bytes of the loss itself, standard vs chunked, fp32 and bf16."""
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for kind in KINDS:
+            got = measure_loss_bytes(kind, tokens, vocab, hidden, dtype, chunk)
+            want = loss_bytes(kind, tokens, vocab, hidden, dtype, chunk)
+            rows.append(
+                {
+                    "kind": kind,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "tokens": tokens,
+                    "vocab": vocab,
+                    "hidden": hidden,
+                    "chunk_tokens": chunk if kind == "chunked" else None,
+                    "measured": got,
+                    "predicted": want,
+                }
+            )
+        std, chk = rows[-2]["measured"]["peak"], rows[-1]["measured"]["peak"]
+        rows[-1]["peak_drop_vs_standard"] = 1 - chk / std
+    return rows
+
+
+def print_tables(result: dict) -> None:
+    s = result["speed"]
+    print(
+        f"{s['preset']} fp32, batch {s['batch'][0]} x {s['batch'][1]}, vocab {s['vocab']}, "
+        f"{s['rounds']} alternating rounds of {s['steps_per_block']} steps, threads {s['threads']}"
+    )
+    for k in KINDS:
+        print(f"  {k:<9}: {s['tokens_per_s'][k]:>10,.0f} tokens/s")
+    r = s["ratio_chunked_over_standard"]
+    print(f"  ratio chunked/standard = {r:.3f} (target >= 0.95: {'met' if r >= 0.95 else 'NOT met'})")
+    print(f"  largest relative loss difference over the steps: {s['max_rel_loss_diff']:.2e}")
+    print("loss alone, forward + backward (best of 3):")
+    for row in result["chunk_sweep"]:
+        print(f"  {row['kind']:<9} chunk {str(row['chunk_tokens']):>6}: {row['seconds']:.3f} s")
+    print("the loss's own memory (MB = 1e6 bytes): measured (predicted)")
+    print(f"  {'kind':<9} {'dtype':<9} {'saved':>20} {'transient':>20} {'peak':>20}")
+    for row in result["memory"]:
+        m, p = row["measured"], row["predicted"]
+        cells = " ".join(f"{m[k] / 1e6:>9.1f} ({p[k] / 1e6:>8.1f})" for k in ("saved", "transient", "peak"))
+        drop = f"  peak -{row['peak_drop_vs_standard']:.1%}" if "peak_drop_vs_standard" in row else ""
+        print(f"  {row['kind']:<9} {row['dtype']:<9} {cells}{drop}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="llama_20m")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=32000, help="data.vocab_size (the paper's 32,000)")
+    ap.add_argument("--rounds", type=int, default=4, help="alternating rounds")
+    ap.add_argument("--steps", type=int, default=3, help="optimizer steps per block")
+    ap.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS)
+    ap.add_argument("--chunks", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
+    ap.add_argument("--memory-tokens", type=int, default=8192)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "chunked_loss.json")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    speed = training_speed(args)
+    hidden = PRESETS[args.preset].hidden
+    result = {
+        "benchmark": "benchmarks/chunked_loss.py",
+        "command": " ".join(["python benchmarks/chunked_loss.py", *(sys.argv[1:] if argv is None else argv)]),
+        "git_commit": git_commit(),
+        "machine": cpu_description(),
+        "torch": torch.__version__,
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d"),
+        "speed": speed,
+        "chunk_sweep": chunk_sweep(args.batch_size * args.seq_len, speed["vocab"], hidden, args.chunks),
+        "memory": memory_table(args.memory_tokens, 32000, 256, args.chunk_tokens),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print_tables(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
