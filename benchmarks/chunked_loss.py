@@ -1,16 +1,18 @@
 """Chunked vs standard cross-entropy: training speed side by side, and the loss's own memory.
 
-1. Speed: two `Trainer`s of the same llama_20m fp32 run (same seed, so the same initial weights and
-   the same data stream), one with ``train.loss=standard`` and one with ``train.loss=chunked``, step
-   in alternating blocks in one process so that machine noise hits both alike; tokens/s of each and
-   their ratio (target: chunked >= 0.95 x standard; the default is chunked only at >= 0.99 x). The
-   two runs' losses are printed side by side too (they agree to ~1e-5: same steps, same data).
+1. Speed: three `Trainer`s of the same llama_20m fp32 run (same seed, so the same initial weights
+   and the same data stream), with ``train.loss`` = ``standard``, ``chunked`` and
+   ``chunked_recompute``, step in blocks in one process, in an order rotated every round so that
+   machine noise hits all alike; tokens/s of each and their ratios to standard (target: chunked >=
+   0.95 x standard; the default is chunked only at >= 0.99 x). The runs' losses are recorded side by
+   side too (they agree to ~1e-5: same steps, same data). The load average before and after is
+   recorded: other processes on a shared machine slow all kinds alike but add noise.
 2. Chunk size: the loss alone (forward + backward of `linear_cross_entropy` at the training
    step's token count, the preset's hidden size and the vocabulary) for several chunk sizes, best of
    three, the evidence for `train.loss_chunk_tokens`' default.
-3. Memory: at 8,192 tokens, vocabulary 32,000, hidden 256 (fp32; bf16 autocast on request), the loss's own
-   bytes measured by `effpretrain.loss.measure_loss_bytes` (saved for backward, transient, peak)
-   beside `effpretrain.loss.loss_bytes`' prediction, standard vs chunked.
+3. Memory: at 8,192 tokens, vocabulary 32,000, hidden 256 (fp32; bf16 autocast on request), the
+   loss's own bytes measured by `effpretrain.loss.measure_loss_bytes` (saved for backward,
+   transient, peak) beside `effpretrain.loss.loss_bytes`' prediction, for the three kinds.
 
 Writes ``benchmarks/results/chunked_loss.json`` (commit, machine, torch version, date) and prints
 the tables. About ten minutes on a shared 2-core CPU with the defaults.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import sys
 import tempfile
 import time
@@ -36,7 +39,7 @@ from effpretrain.models.llama import PRESETS
 from effpretrain.reporting import cpu_description, git_commit
 
 ROOT = Path(__file__).resolve().parent.parent
-KINDS = ("standard", "chunked")
+KINDS = ("standard", "chunked", "chunked_recompute")
 
 
 def training_speed(args: argparse.Namespace) -> dict:
@@ -66,7 +69,8 @@ def training_speed(args: argparse.Namespace) -> dict:
             for k, tr in trainers.items():
                 losses[k].append(tr._train_step()[0])
         for r in range(args.rounds):
-            for k in KINDS if r % 2 == 0 else KINDS[::-1]:
+            # Each round a rotated order: every kind runs first, middle and last equally often.
+            for k in KINDS[r % len(KINDS) :] + KINDS[: r % len(KINDS)]:
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
                     losses[k].append(trainers[k]._train_step()[0])
@@ -84,8 +88,11 @@ def training_speed(args: argparse.Namespace) -> dict:
         "threads": torch.get_num_threads(),
         "tokens_per_s": tps,
         "ratio_chunked_over_standard": tps["chunked"] / tps["standard"],
+        "ratio_chunked_recompute_over_standard": tps["chunked_recompute"] / tps["standard"],
         "losses": losses,
-        "max_rel_loss_diff": max(abs(a - b) / abs(b) for a, b in zip(losses["chunked"], losses["standard"])),
+        "max_rel_loss_diff": max(
+            abs(a - b) / abs(b) for k in KINDS[1:] for a, b in zip(losses[k], losses["standard"])
+        ),
     }
 
 
@@ -96,7 +103,8 @@ def chunk_sweep(tokens: int, vocab: int, hidden: int, chunks: list[int]) -> list
     w = (torch.randn(vocab, hidden, generator=g) * hidden**-0.5).requires_grad_()
     labels = torch.randint(0, vocab, (tokens,), generator=g)
     rows = []
-    for kind, chunk in [("standard", 0), *(("chunked", c) for c in chunks)]:
+    cases = [("standard", 0), *((k, c) for k in KINDS[1:] for c in chunks)]
+    for kind, chunk in cases:
         best = float("inf")
         for _ in range(3):
             h.grad = w.grad = None
@@ -121,13 +129,14 @@ def memory_table(tokens: int, vocab: int, hidden: int, chunk: int, dtypes: list[
                     "tokens": tokens,
                     "vocab": vocab,
                     "hidden": hidden,
-                    "chunk_tokens": chunk if kind == "chunked" else None,
+                    "chunk_tokens": chunk if kind != "standard" else None,
                     "measured": got,
                     "predicted": want,
                 }
             )
-        std, chk = rows[-2]["measured"]["peak"], rows[-1]["measured"]["peak"]
-        rows[-1]["peak_drop_vs_standard"] = 1 - chk / std
+        std = rows[-len(KINDS)]["measured"]["peak"]
+        for row in rows[-len(KINDS) + 1 :]:
+            row["peak_drop_vs_standard"] = 1 - row["measured"]["peak"] / std
     return rows
 
 
@@ -138,20 +147,25 @@ def print_tables(result: dict) -> None:
         f"{s['rounds']} alternating rounds of {s['steps_per_block']} steps, threads {s['threads']}"
     )
     for k in KINDS:
-        print(f"  {k:<9}: {s['tokens_per_s'][k]:>10,.0f} tokens/s")
-    r = s["ratio_chunked_over_standard"]
-    print(f"  ratio chunked/standard = {r:.3f} (target >= 0.95: {'met' if r >= 0.95 else 'NOT met'})")
+        print(f"  {k:<17}: {s['tokens_per_s'][k]:>10,.0f} tokens/s")
+    for k in KINDS[1:]:
+        r = s[f"ratio_{k}_over_standard"]
+        print(f"  ratio {k}/standard = {r:.3f} (target >= 0.95: {'met' if r >= 0.95 else 'NOT met'})")
+    print(
+        f"  load average (1, 5, 15 min) before {s['load_average_1_5_15_min']['before']}, after "
+        f"{s['load_average_1_5_15_min']['after']}"
+    )
     print(f"  largest relative loss difference over the steps: {s['max_rel_loss_diff']:.2e}")
     print("loss alone, forward + backward (best of 3):")
     for row in result["chunk_sweep"]:
-        print(f"  {row['kind']:<9} chunk {str(row['chunk_tokens']):>6}: {row['seconds']:.3f} s")
+        print(f"  {row['kind']:<17} chunk {str(row['chunk_tokens']):>6}: {row['seconds']:.3f} s")
     print("the loss's own memory (MB = 1e6 bytes): measured (predicted)")
-    print(f"  {'kind':<9} {'dtype':<9} {'saved':>20} {'transient':>20} {'peak':>20}")
+    print(f"  {'kind':<17} {'dtype':<9} {'saved':>20} {'transient':>20} {'peak':>20}")
     for row in result["memory"]:
         m, p = row["measured"], row["predicted"]
         cells = " ".join(f"{m[k] / 1e6:>9.1f} ({p[k] / 1e6:>8.1f})" for k in ("saved", "transient", "peak"))
         drop = f"  peak -{row['peak_drop_vs_standard']:.1%}" if "peak_drop_vs_standard" in row else ""
-        print(f"  {row['kind']:<9} {row['dtype']:<9} {cells}{drop}")
+        print(f"  {row['kind']:<17} {row['dtype']:<9} {cells}{drop}")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -177,8 +191,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
     speed = training_speed(args)
-    print(f"speed done: ratio {speed['ratio_chunked_over_standard']:.3f}", flush=True)
+    speed["load_average_1_5_15_min"] = {"before": load_before, "after": os.getloadavg()}
+    print(f"speed done: chunked/standard {speed['ratio_chunked_over_standard']:.3f}", flush=True)
     hidden = PRESETS[args.preset].hidden
     sweep = chunk_sweep(args.batch_size * args.seq_len, speed["vocab"], hidden, args.chunks)
     print("chunk sweep done", flush=True)

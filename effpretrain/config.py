@@ -274,16 +274,18 @@ class TrainConfig:
     """Final learning rate as a fraction of `optim.lr`."""
     grad_clip: NonNegativeFloat = 1.0
     """Global gradient-norm clipping threshold; 0 disables."""
-    loss: Literal["standard", "chunked"] = "standard"
+    loss: Literal["standard", "chunked", "chunked_recompute"] = "standard"
     """How the cross-entropy over the LM head is computed (same value and gradients):
-    `standard` forms the (tokens x vocabulary) logits; `chunked` (`effpretrain.loss`) takes the
-    final hidden states `train.loss_chunk_tokens` rows at a time and never holds them: the loss's
-    own peak falls 94.5% at 8,192 tokens x 32,000 (3.15 GB to 0.17 GB in fp32). Not the default:
-    its backward recomputes the logits, and a llama_20m fp32 run at 1,024 tokens a micro-batch
-    measured 0.91x the standard loss's tokens/s on this project's CPU
-    (benchmarks/results/chunked_loss.json)."""
+    `standard` forms the (tokens x vocabulary) logits; `chunked` and `chunked_recompute`
+    (`effpretrain.loss`) take the final hidden states `train.loss_chunk_tokens` rows at a time and
+    never hold them. `chunked` computes each chunk's gradients in the forward and holds dH
+    (tokens x hidden, fp32) and dW (vocabulary x hidden, fp32) until the backward: three head
+    products, as `standard`. `chunked_recompute` holds one fp32 logsumexp per token instead and
+    recomputes each chunk's logits in the backward (a fourth head product). At 8,192 tokens x
+    32,000 x hidden 256 in fp32 the loss's own peak falls by more than 80% either way; speed and
+    bytes in benchmarks/results/chunked_loss.json."""
     loss_chunk_tokens: PositiveInt = 1024
-    """Rows per chunk of `train.loss: chunked` (its transient is about 4 x this x vocabulary bytes)."""
+    """Rows per chunk of the chunked losses (their transient is about 4 x this x vocabulary bytes)."""
     eval_every: NonNegativeInt = 50
     """Steps between evaluations (exact token-weighted validation loss and perplexity); 0: only at
     the end."""

@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_leaves
 from effpretrain.data import IGNORE_INDEX
 from effpretrain.errors import ConfigError
 
-LossKind = Literal["standard", "chunked"]
+LossKind = Literal["standard", "chunked", "chunked_recompute"]
 #: Rows per chunk of the chunked loss unless told (`train.loss_chunk_tokens`).
 DEFAULT_CHUNK_TOKENS = 1024
 
@@ -60,8 +60,88 @@ def _chunk_logits(h: torch.Tensor, wc: torch.Tensor, rows: torch.Tensor, dt: tor
     return z if z.dtype == torch.float32 else z.float()
 
 
+def _chunk_softmax_(z: torch.Tensor, y: torch.Tensor, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turns the fp32 logits block Z_c into exp(Z_c - max), and into softmax(Z_c) if `normalize`,
+    in place; returns (logsumexp_v Z_iv, Z_{i,y_i})."""
+    target = z.gather(1, y.unsqueeze(1)).squeeze(1)
+    m = z.amax(1, keepdim=True)
+    # In place: the chunk holds one (C, V) block, never a second for exp(Z - m).
+    se = z.sub_(m).exp_().sum(1, keepdim=True)
+    if normalize:
+        z.div_(se)
+    return se.squeeze(1).log_().add_(m.squeeze(1)), target
+
+
+def _chunked_loss_and_grads(
+    h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, chunk: int, ignore_index: int, need: tuple
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """S and, where `need` = (need_h, need_w) asks, dS/dH (H's dtype) and dS/dW (fp32), chunk by chunk.
+
+    Per chunk of C labelled rows: Z_c = H_c W^T (fp32), P_c = softmax(Z_c) (in place in Z_c's block),
+    S += sum_i logsumexp(Z_i) - Z_{i,y_i}; with a gradient, dZ_c = P_c - onehot(y_c) (in place again),
+    dH_c = dZ_c W and dW += dZ_c^T H_c: three head products per chunk, as the standard loss's
+    forward and backward make over all rows.
+    """
+    dt = _compute_dtype(h, w)
+    need_h, need_w = need
+    with torch.autocast(h.device.type, enabled=False):
+        rows_all = (labels != ignore_index).nonzero().squeeze(1)
+        wc = w.to(dt)
+        gh = torch.zeros_like(h) if need_h else None
+        gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for c0 in range(0, rows_all.numel(), chunk):
+            rows = rows_all[c0 : c0 + chunk]
+            y = labels[rows]
+            hc = h.index_select(0, rows).to(dt)
+            z = torch.mm(hc, wc.t())
+            z = z if z.dtype == torch.float32 else z.float()
+            lse_c, target = _chunk_softmax_(z, y, need_h or need_w)
+            total += (lse_c - target).sum()
+            if need_h or need_w:
+                z[torch.arange(rows.numel(), device=z.device), y] -= 1.0
+                dzc = z if dt == torch.float32 else z.to(dt)
+                if need_h:
+                    gh.index_copy_(0, rows, torch.mm(dzc, wc).to(gh.dtype))
+                if need_w:
+                    if dt == torch.float32:
+                        gw.addmm_(dzc.t(), hc)
+                    else:
+                        gw += torch.mm(dzc.t(), hc).float()
+                del dzc
+            del z, hc
+    return total, gh, gw
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
-    """S = sum over labelled rows of logsumexp(H_i W^T) - (H_i W^T)_{y_i}, chunk by chunk."""
+    """S = sum over labelled rows of logsumexp(H_i W^T) - (H_i W^T)_{y_i}; dS/dH and dS/dW are
+    computed in the forward (`_chunked_loss_and_grads`) and saved, and the backward only scales
+    them by the incoming gradient g: dH = g dS/dH, dW = g dS/dW (as fused linear cross-entropy
+    kernels do). The backward scales the saved tensors in place, so a second backward through the
+    same graph (retain_graph) fails autograd's version check instead of scaling twice."""
+
+    @staticmethod
+    def forward(ctx, h, w, labels, chunk: int, ignore_index: int):  # noqa: ANN001, ANN205
+        need = (h.requires_grad, w.requires_grad)
+        total, gh, gw = _chunked_loss_and_grads(h, w, labels, chunk, ignore_index, need)
+        ctx.save_for_backward(gh, gw)
+        ctx.w_dtype = w.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001, ANN205
+        gh, gw = ctx.saved_tensors
+        if gh is not None:
+            gh = gh.mul_(g.to(gh.dtype))
+        if gw is not None:
+            gw = gw.mul_(g.float()).to(ctx.w_dtype)
+        return gh, gw, None, None, None
+
+
+class _RecomputeLinearCE(torch.autograd.Function):
+    """The same S, saving only one fp32 logsumexp per row: the backward recomputes each chunk's
+    logits, dZ_c = g (exp(Z_c - lse_c) - onehot(y_c)), dH_c = dZ_c W and dW += dZ_c^T H_c (a
+    fourth head product, the price of not holding dH and dW between forward and backward)."""
 
     @staticmethod
     def forward(ctx, h, w, labels, chunk: int, ignore_index: int):  # noqa: ANN001, ANN205
@@ -125,25 +205,30 @@ def linear_cross_entropy(
     """Summed cross-entropy of the logits Z = H W^T against `labels` (fp32 reduction).
 
     S = sum_{i: y_i != ignore_index} (logsumexp_v Z_iv - Z_{i,y_i}). ``standard`` materialises Z and
-    calls `F.cross_entropy`; ``chunked`` never holds more than `chunk_tokens` rows of Z (module
-    docstring), with the same value and gradients up to fp32 summation order.
+    calls `F.cross_entropy`; ``chunked`` and ``chunked_recompute`` never hold more than
+    `chunk_tokens` rows of Z (module docstring), with the same value and gradients up to fp32
+    summation order. Without a gradient to compute (no-grad mode, as in evaluation, or neither H
+    nor W requiring one) both chunked kinds compute the loss alone.
 
     Args:
         hidden: H, (N, h) final hidden states.
         weight: W, (V, h) LM-head weight (no bias).
         labels: (N,) target ids, `ignore_index` where a row has no target.
-        kind: ``standard`` or ``chunked``.
-        chunk_tokens: C, rows per chunk (chunked only).
+        kind: ``standard``, ``chunked`` or ``chunked_recompute``.
+        chunk_tokens: C, rows per chunk (chunked kinds only).
         ignore_index: the label of rows that contribute nothing.
     """
     if kind == "standard":
         logits = F.linear(hidden, weight)
         return F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, reduction="sum")
-    if kind != "chunked":
+    if kind not in ("chunked", "chunked_recompute"):
         raise ValueError(f"unknown loss kind {kind!r}")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
-    return _ChunkedLinearCE.apply(hidden, weight, labels, chunk_tokens, ignore_index)
+    if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+        return _chunked_loss_and_grads(hidden, weight, labels, chunk_tokens, ignore_index, (False, False))[0]
+    fn = _ChunkedLinearCE if kind == "chunked" else _RecomputeLinearCE
+    return fn.apply(hidden, weight, labels, chunk_tokens, ignore_index)
 
 
 def _lm_head(model: torch.nn.Module) -> torch.nn.Linear:
@@ -154,14 +239,16 @@ def _lm_head(model: torch.nn.Module) -> torch.nn.Linear:
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     if not isinstance(head, torch.nn.Linear) or head.bias is not None:
         raise ConfigError(
-            f"train.loss=chunked needs a bias-free linear LM head; {type(inner).__name__} has "
+            f"train.loss=chunked* needs a bias-free linear LM head; {type(inner).__name__} has "
             f"{type(head).__name__}"
         )
     return head
 
 
 @contextlib.contextmanager
-def _head_returns_loss(model: torch.nn.Module, labels: torch.Tensor, chunk_tokens: int) -> Iterator[None]:
+def _head_returns_loss(
+    model: torch.nn.Module, labels: torch.Tensor, kind: LossKind, chunk_tokens: int
+) -> Iterator[None]:
     """While active, the LM head's forward returns the chunked loss sum instead of logits.
 
     The model is still called whole (through its DDP or FSDP2 wrapper, so their hooks fire), and
@@ -171,7 +258,7 @@ def _head_returns_loss(model: torch.nn.Module, labels: torch.Tensor, chunk_token
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         h = hidden.reshape(-1, hidden.size(-1))
-        return linear_cross_entropy(h, head.weight, labels, "chunked", chunk_tokens)
+        return linear_cross_entropy(h, head.weight, labels, kind, chunk_tokens)
 
     head.forward = forward
     try:
@@ -198,8 +285,9 @@ def token_loss_sum(
         batch: `input_ids`, `attention_mask` and `labels` of shape (B, T).
         packed: every position is real, so SDPA takes its causal fast path without a mask; None
             checks the mask, which costs a device sync on GPU.
-        loss: ``standard`` (the model's logits) or ``chunked`` (`linear_cross_entropy` on the
-            final hidden states inside the model's forward; the logits are never formed).
+        loss: ``standard`` (the model's logits), or ``chunked`` / ``chunked_recompute``
+            (`linear_cross_entropy` on the final hidden states inside the model's forward; the
+            logits are never formed).
         chunk_tokens: rows per chunk of the chunked loss.
     """
     mask = batch["attention_mask"]
@@ -209,8 +297,8 @@ def token_loss_sum(
     # Shift the labels, not the logits: a sliced (B, T-1, V) view would cost a full copy of the logits.
     labels = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
     count = (labels != IGNORE_INDEX).sum()
-    if loss == "chunked":
-        with _head_returns_loss(model, labels.reshape(-1), chunk_tokens):
+    if loss != "standard":
+        with _head_returns_loss(model, labels.reshape(-1), loss, chunk_tokens):
             return model(input_ids=batch["input_ids"], attention_mask=attn).logits, count
     logits = model(input_ids=batch["input_ids"], attention_mask=attn).logits
     s = F.cross_entropy(
@@ -235,14 +323,20 @@ def loss_bytes(
     measures): H (N, h) and W (V, h) are fp32 (the final norm's output and the head weight of an
     fp32 or bf16-mixed run), the product runs in `act_dtype` (e bytes an element).
 
-    With N tokens, V vocabulary, h hidden, C = min(chunk_tokens, `targets`) (the chunked loss
-    computes only labelled rows; `targets` defaults to N), and x = 1 if e < 4 else 0:
+    With N tokens, t = `targets` labelled rows (default N), V vocabulary, h hidden,
+    C = min(chunk_tokens, t) (the chunked kinds compute only labelled rows), and x = 1 if e < 4
+    else 0:
 
     - standard: saved = 4 N V (fp32 log-softmax) + x e (N h + V h) (autocast's copies of H and W,
       saved by the product) + 4; forward peak = saved + e N V (logits) + 4 x N V (their fp32 copy);
       backward peak = saved + 8 N V (the gradients of the log-softmax's output and input);
       transient = max(forward, backward) peak - saved.
-    - chunked: saved = 4 N (one logsumexp a token; H, W and the labels are alive anyway);
+    - chunked (gradients in the forward): saved = 4 N h (dH, H's fp32) + 4 V h (dW, fp32), held
+      from the forward to the backward, which scales them in place into the gradients (nothing
+      more); transient = 4 C V (the chunk's logits, then softmax, then dZ, in one block) + 8 t (row
+      index) + (1 - x) 8 C h (H_c and dH_c) + x (e C V (dZ_c in e) + 2 e V h (W in e and the
+      chunk's dW product) + 4 V h (its fp32 copy) + e C h (H_c in e)).
+    - chunked_recompute: saved = 4 N (one logsumexp a token; H, W and the labels are alive anyway);
       forward = 4 C V + x (e C V + e V h) + 8 N (row index) + (4 + e x) C h;
       backward = 4 C V + x (e C V + 2 e V h + 4 V h) + 4 V h (dW, fp32) + 4 N h (dH) + 8 N + 8 C h;
       transient = max(forward, backward).
@@ -253,11 +347,16 @@ def loss_bytes(
     n, v, h = tokens, vocab, hidden
     e = torch.empty((), dtype=act_dtype).element_size()
     x = int(e < 4)
+    t = n if targets is None else targets
+    c = min(chunk_tokens, t)
     if kind == "standard":
         saved = 4 * n * v + x * e * (n * h + v * h) + 4
         transient = max(e * n * v + 4 * x * n * v, 8 * n * v) + 4
     elif kind == "chunked":
-        c = min(chunk_tokens, n if targets is None else targets)
+        saved = 4 * n * h + 4 * v * h
+        transient = 4 * c * v + 8 * t + (1 - x) * 8 * c * h
+        transient += x * (e * c * v + 2 * e * v * h + 4 * v * h + e * c * h)
+    elif kind == "chunked_recompute":
         saved = 4 * n
         forward = 4 * c * v + x * e * (c * v + v * h) + 8 * n + (4 + e * x) * c * h
         backward = 4 * c * v + x * (e * c * v + 2 * e * v * h + 4 * v * h) + 4 * v * h + 4 * n * h

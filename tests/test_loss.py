@@ -1,7 +1,7 @@
-"""train.loss: chunked equals the standard loss (value, gradients of the hidden states and the head
-weight, whole models of every factor kind, a trainer's loss curve, 2-process DDP and FSDP2), its
-own memory falls by more than 80% at 8,192 tokens x 32,000, and `loss_bytes` predicts what is
-measured."""
+"""train.loss: chunked and chunked_recompute equal the standard loss (value, gradients of the hidden
+states and the head weight, whole models of every factor kind, a trainer's loss curve, 2-process
+DDP and FSDP2), their own memory falls by more than 80% at 8,192 tokens x 32,000, and `loss_bytes`
+predicts what is measured."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ from distributed_helpers import COMMON, final, rel_diff, run_worker_pair
 
 from effpretrain.config import ConfigError, load_config
 from effpretrain.data import IGNORE_INDEX
-from effpretrain.loss import linear_cross_entropy, loss_bytes, measure_loss_bytes, token_loss_sum
+from effpretrain.loss import _LiveBytes, linear_cross_entropy, loss_bytes, measure_loss_bytes, token_loss_sum
 
 ROOT = Path(__file__).resolve().parent.parent
+CHUNKED = ["chunked", "chunked_recompute"]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -36,7 +37,8 @@ def loss_and_grads(kind: str, h, w, labels, chunk: int = 1) -> tuple[torch.Tenso
 
 
 @pytest.mark.parametrize("chunk", [1, 97, 256, 5000])
-def test_chunked_equals_standard_and_torch_with_padded_rows(chunk):
+@pytest.mark.parametrize("kind", CHUNKED)
+def test_chunked_equals_standard_and_torch_with_padded_rows(kind, chunk):
     g = torch.Generator().manual_seed(0)
     n, v, hidden = 600, 1000, 48
     h = torch.randn(n, hidden, generator=g)
@@ -46,7 +48,7 @@ def test_chunked_equals_standard_and_torch_with_padded_rows(chunk):
     labels[100:160] = IGNORE_INDEX  # a padded tail of a row
     ref = loss_and_grads("reference", h, w, labels)
     std = loss_and_grads("standard", h, w, labels)
-    got = loss_and_grads("chunked", h, w, labels, chunk)
+    got = loss_and_grads(kind, h, w, labels, chunk)
     for a, b in zip(std, ref):
         assert rel(a, b) <= 1e-6
     for a, b in zip(got, ref):  # value, dH, dW
@@ -55,25 +57,69 @@ def test_chunked_equals_standard_and_torch_with_padded_rows(chunk):
     assert torch.all(got[1][labels == IGNORE_INDEX] == 0)
 
 
-def test_chunked_with_no_labelled_row_is_zero():
+@pytest.mark.parametrize("kind", CHUNKED)
+def test_chunked_with_no_labelled_row_is_zero(kind):
     h = torch.randn(8, 4, requires_grad=True)
     w = torch.randn(10, 4, requires_grad=True)
-    s = linear_cross_entropy(h, w, torch.full((8,), IGNORE_INDEX), "chunked", 3)
+    s = linear_cross_entropy(h, w, torch.full((8,), IGNORE_INDEX), kind, 3)
     s.backward()
     assert s.item() == 0 and not h.grad.any() and not w.grad.any()
 
 
-def test_chunked_under_bf16_autocast_matches_standard():
+@pytest.mark.parametrize("kind", CHUNKED)
+def test_chunked_under_bf16_autocast_matches_standard(kind):
     g = torch.Generator().manual_seed(1)
     h, w = torch.randn(300, 32, generator=g), torch.randn(500, 32, generator=g) * 0.2
     labels = torch.randint(0, 500, (300,), generator=g)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         std = loss_and_grads("standard", h, w, labels)
-        got = loss_and_grads("chunked", h, w, labels, 64)
+        got = loss_and_grads(kind, h, w, labels, 64)
     # Both products run in bf16 (the head's autocast dtype); reductions are fp32.
     assert got[2].dtype == torch.float32 and got[1].dtype == torch.float32
     for a, b in zip(got, std):
         assert rel(a, b) <= 2e-2
+
+
+@pytest.mark.parametrize("kind", CHUNKED)
+def test_chunked_without_gradients_computes_the_loss_alone(kind):
+    """Evaluation (no-grad) and inputs that need no gradient: the same value, no graph, and none of
+    the (N, h) + (V, h) gradient buffers that the training form holds."""
+    g = torch.Generator().manual_seed(2)
+    n, v, hidden = 400, 900, 40
+    h = torch.randn(n, hidden, generator=g, requires_grad=True)
+    w = torch.randn(v, hidden, generator=g, requires_grad=True)
+    labels = torch.randint(0, v, (n,), generator=g)
+    want = F.cross_entropy(h @ w.t(), labels, reduction="sum").detach()
+    mode = _LiveBytes()
+    with torch.no_grad(), mode:  # chunks of 10 rows: 4 x 10 x V bytes of logits, well under dH + dW
+        s = linear_cross_entropy(h, w, labels, kind, 10)
+    assert s.grad_fn is None and rel(s, want) <= 1e-6
+    assert mode.peak < 4 * (n + v) * hidden  # less than dH + dW alone
+    s = linear_cross_entropy(h.detach(), w.detach(), labels, kind, 100)
+    assert s.grad_fn is None and rel(s, want) <= 1e-6
+
+
+@pytest.mark.parametrize("kind", CHUNKED)
+def test_chunked_gradient_of_the_hidden_states_alone(kind):
+    """A frozen head: only dH, equal to the reference's."""
+    g = torch.Generator().manual_seed(3)
+    h, w = torch.randn(50, 8, generator=g), torch.randn(70, 8, generator=g)
+    labels = torch.randint(0, 70, (50,), generator=g)
+    h1, h2 = h.clone().requires_grad_(), h.clone().requires_grad_()
+    F.cross_entropy(h1 @ w.t(), labels, reduction="sum").backward(torch.tensor(0.5))
+    linear_cross_entropy(h2, w, labels, kind, 16).backward(torch.tensor(0.5))
+    assert rel(h2.grad, h1.grad) <= 1e-6 and w.grad is None
+
+
+def test_chunked_second_backward_through_the_same_graph_fails_loudly():
+    """The saved dH and dW are scaled in place by the backward: a second backward (retain_graph)
+    is refused by autograd's version check rather than returning twice-scaled gradients."""
+    h = torch.randn(20, 6, requires_grad=True)
+    w = torch.randn(30, 6, requires_grad=True)
+    s = linear_cross_entropy(h, w, torch.randint(0, 30, (20,)), "chunked", 8)
+    s.backward(torch.tensor(0.5), retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        s.backward(torch.tensor(0.5))
 
 
 def model_grads(kind: str | None, loss: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -103,10 +149,11 @@ def _factor_kinds() -> list[str | None]:
     return [None, *FACTOR_KINDS]
 
 
+@pytest.mark.parametrize("loss", CHUNKED)
 @pytest.mark.parametrize("kind", _factor_kinds())
-def test_token_loss_sum_chunked_equals_standard_on_every_model_kind(kind):
+def test_token_loss_sum_chunked_equals_standard_on_every_model_kind(kind, loss):
     s_std, g_std = model_grads(kind, "standard")
-    s_chk, g_chk = model_grads(kind, "chunked")
+    s_chk, g_chk = model_grads(kind, loss)
     assert abs(s_chk - s_std) <= 1e-6 * abs(s_std)
     assert g_std.keys() == g_chk.keys() and "lm_head.weight" in g_std
     for name in g_std:
@@ -116,6 +163,7 @@ def test_token_loss_sum_chunked_equals_standard_on_every_model_kind(kind):
 def test_config_validates_the_loss():
     cfg = load_config(None, ["train.loss=chunked", "train.loss_chunk_tokens=512"])
     assert cfg.train.loss == "chunked" and cfg.train.loss_chunk_tokens == 512
+    assert load_config(None, ["train.loss=chunked_recompute"]).train.loss == "chunked_recompute"
     with pytest.raises(ConfigError, match="train.loss"):
         load_config(None, ["train.loss=fused"])
     with pytest.raises(ConfigError, match="train.loss_chunk_tokens"):
@@ -138,15 +186,16 @@ def test_trainer_loss_curve_is_the_same_with_chunked_loss(tmp_path, tiny_overrid
     ]
     recipe = ROOT / "recipes" / "tiny" / "adamw.yaml"
     curves, summaries = {}, {}
-    for loss in ("standard", "chunked"):
+    for loss in ("standard", *CHUNKED):
         summaries[loss] = train(load_config(recipe, over + [f"train.loss={loss}"]), tmp_path / loss)
         lines = (tmp_path / loss / "metrics.jsonl").read_text().splitlines()
         curves[loss] = [e["loss"] for e in map(json.loads, lines) if "event" not in e]
     assert len(curves["standard"]) == 8
-    for a, b in zip(curves["chunked"], curves["standard"], strict=True):
-        assert abs(a - b) <= 1e-5 * abs(b)
-    a, b = summaries["chunked"]["final_val_loss"], summaries["standard"]["final_val_loss"]
-    assert abs(a - b) <= 1e-5 * abs(b)
+    for loss in CHUNKED:
+        for a, b in zip(curves[loss], curves["standard"], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), loss
+        a, b = summaries[loss]["final_val_loss"], summaries["standard"]["final_val_loss"]
+        assert abs(a - b) <= 1e-5 * abs(b), loss
 
 
 def test_chunked_loss_memory_drop_at_8192_tokens_and_loss_bytes():
@@ -155,10 +204,12 @@ def test_chunked_loss_memory_drop_at_8192_tokens_and_loss_bytes():
     shape = (8192, 32000, 256)
     std = measure_loss_bytes("standard", *shape)
     chk = measure_loss_bytes("chunked", *shape, chunk_tokens=1024)
+    rec = measure_loss_bytes("chunked_recompute", *shape, chunk_tokens=1024)
     assert std["peak"] > 3 * 8192 * 32000 * 4  # three (N, V) fp32 blocks at once in the backward
-    assert chk["peak"] <= 0.2 * std["peak"]
-    assert chk["saved"] == 8192 * 4  # one fp32 logsumexp per token
-    for kind, got in (("standard", std), ("chunked", chk)):
+    assert chk["peak"] <= 0.2 * std["peak"] and rec["peak"] <= 0.2 * std["peak"]
+    assert chk["saved"] == (8192 + 32000) * 256 * 4  # dH and dW (fp32), from forward to backward
+    assert rec["saved"] == 8192 * 4  # one fp32 logsumexp per token
+    for kind, got in (("standard", std), ("chunked", chk), ("chunked_recompute", rec)):
         want = loss_bytes(kind, *shape, torch.float32, 1024)
         assert got["saved"] == want["saved"], kind
         assert abs(got["transient"] - want["transient"]) <= 0.1 * want["transient"], kind
@@ -166,7 +217,7 @@ def test_chunked_loss_memory_drop_at_8192_tokens_and_loss_bytes():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("chunk", [128, 700, 4096])
-@pytest.mark.parametrize("kind", ["standard", "chunked"])
+@pytest.mark.parametrize("kind", ["standard", *CHUNKED])
 def test_loss_bytes_matches_measurement(kind, chunk, dtype):
     n, v, hidden, every = 1500, 3000, 96, 6
     got = measure_loss_bytes(kind, n, v, hidden, dtype, chunk, ignored_every=every)
