@@ -1,19 +1,30 @@
 """The training objective: summed next-token cross-entropy and its target count.
 
-Two ways to compute the same number (`train.loss`):
+Three ways to compute the same number (`train.loss`):
 
 - ``standard``: the model's LM head writes the (N, V) logits of all N = B T positions, and
   `F.cross_entropy` takes their fp32 log-softmax (saved for backward). At N = 8,192 tokens and a
   vocabulary of V = 32,000 that is about 1 GB per (N, V) fp32 block, three of them at once in the
   backward.
-- ``chunked``: a linear cross-entropy (`linear_cross_entropy`) takes the final hidden states H
-  (N, h) and the head's weight W (V, h) and never holds the (N, V) logits. Rows are processed C
-  (`train.loss_chunk_tokens`) at a time: Z_c = H_c W^T (fp32), the per-row logsumexp
-  l_i = m_i + log sum_v exp(Z_iv - m_i) (m_i = max_v Z_iv), the loss S = sum_i (l_i - Z_{i,y_i})
-  over the rows whose label is not IGNORE_INDEX. Only l (N fp32 values) is saved for backward
-  beside H, W and the labels, which are alive anyway. The backward recomputes each chunk's Z_c and
-  uses dS/dZ_iv = g (softmax(Z_i)_v - [v = y_i]), so dH_c = dZ_c W and dW = sum_c dZ_c^T H_c.
-  Its transient memory is one (C, V) fp32 block (`loss_bytes`).
+- ``chunked`` (the default): a linear cross-entropy (`linear_cross_entropy`) takes the final
+  hidden states H (N, h) and the head's weight W (V, h) and never holds the (N, V) logits. Rows
+  are processed C (`train.loss_chunk_tokens`) at a time: Z_c = H_c W^T (fp32), the per-row
+  logsumexp l_i = m_i + log sum_v exp(Z_iv - m_i) (m_i = max_v Z_iv), the loss
+  S = sum_i (l_i - Z_{i,y_i}) over the rows whose label is not IGNORE_INDEX. While the chunk's
+  block is alive it becomes dS/dZ_c = softmax(Z_c) - onehot(y_c), and dH_c = dS/dZ_c W,
+  dW += (dS/dZ_c)^T H_c, as fused linear cross-entropy kernels (Liger's) do; dH (N, h) and dW
+  (V, h), fp32, are saved, and the backward multiplies them by the incoming gradient g. Three
+  products with the head, as the standard loss's forward and backward.
+- ``chunked_recompute``: the same forward saving only l (N fp32 values) beside H, W and the
+  labels, which are alive anyway; the backward recomputes each chunk's Z_c and uses
+  dS/dZ_iv = g (exp(Z_iv - l_i) - [v = y_i]). A fourth head product, for 4 N bytes instead of
+  dH + dW between forward and backward. The issue that asked for the chunked loss suggested this
+  recompute; it is not the default because it measured 0.84x (0.91x in an earlier run) the
+  standard loss's tokens/s on a llama_20m fp32 run on this project's CPU, where the
+  gradients-in-forward form measured 1.03x (benchmarks/results/chunked_loss.json).
+
+Both chunked forms, without a gradient to compute (no-grad evaluation), compute S alone. Their
+bytes are `loss_bytes`: the transient of either is about one (C, V) fp32 block.
 """
 
 from __future__ import annotations
