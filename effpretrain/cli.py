@@ -57,6 +57,11 @@ def _add_train(sub) -> None:
 
 
 def _add_estimate(sub) -> None:
+    from typing import get_args
+
+    from effpretrain.config import TrainConfig
+    from effpretrain.loss import LossKind
+
     e = sub.add_parser("estimate", help="analytic memory breakdown (no model is built)")
     e.add_argument("--model", required=True, help="preset, e.g. llama_1b")
     e.add_argument(
@@ -77,7 +82,7 @@ def _add_estimate(sub) -> None:
     e.add_argument("--seq-len", type=int, default=256)
     e.add_argument("--activation-checkpointing", type=int, default=0, metavar="K")
     e.add_argument("--grad-accum", type=int, default=1, help="micro-steps per step (held gradients)")
-    e.add_argument("--loss", default="standard", choices=["standard", "chunked"], help="as train.loss")
+    e.add_argument("--loss", default=TrainConfig.loss, choices=list(get_args(LossKind)), help="as train.loss")
     e.add_argument("--world-size", type=int, default=1)
     e.add_argument("--sharding", default="none", choices=["none", "ddp", "fsdp2"])
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -51,6 +51,7 @@ import torch
 
 import optimizers
 from effpretrain.config import ATTN_MLP_TARGETS
+from effpretrain.loss import DEFAULT_CHUNK_TOKENS
 from effpretrain.models.factorized import FactorSpec, factor_spec
 from effpretrain.models.llama import PRESETS, build_llama_config
 
@@ -335,7 +336,7 @@ class LossBytes:
 
 
 def loss_bytes(
-    kind: str, tokens: int, vocab: int, hidden: int, act: torch.dtype, chunk: int = 4096
+    kind: str, tokens: int, vocab: int, hidden: int, act: torch.dtype, chunk: int = DEFAULT_CHUNK_TOKENS
 ) -> LossBytes:
     """Memory of the training loss over `tokens` rows (N) of vocabulary V at activation dtype e.
 
@@ -343,18 +344,21 @@ def loss_bytes(
     saved for backward (4 N V) with the labels (8 N) and the reduction's weight (4); its backward
     holds the NLL's (N, V) gradient and the log-softmax's input gradient (2 x 4 N V) beside the
     saved log-softmax (the cast of that gradient back to e comes after both are freed).
-    ``chunked`` (C = min(`chunk`, N) rows at a time, never the (N, V) logits): saves one fp32
-    logsumexp per token (4 N) and the labels (8 N) (the final hidden states are the final norm's
-    output, already counted); its transients are two (C, V) fp32 blocks (logits and their
-    gradient), plus in backward the (C, h) fp32 chunk gradient and the (N, h) hidden gradient.
+    The chunked kinds (never the (N, V) logits) take their terms from `effpretrain.loss.loss_bytes`,
+    the formula their own tests check against a measurement: ``saved`` is what they hold from the
+    forward to the backward (``chunked``: dH and dW, 4 N h + 4 V h; ``chunked_recompute``: one fp32
+    logsumexp a token), and their transient lives while the loss runs: in the forward for
+    ``chunked`` (its backward only scales dH and dW in place), in both for ``chunked_recompute``.
+    The shifted labels (8 N) live during the forward.
     """
     N, V, e = tokens, vocab, act.itemsize
-    if kind == "chunked":
-        C = min(chunk, N)
-        return LossBytes(12 * N, 8 * C * V, 8 * C * V + 4 * C * hidden + e * N * hidden)
-    if kind != "standard":
-        raise ValueError(f"unknown loss {kind!r}; choose one of standard, chunked")
-    return LossBytes(4 * N * V + 8 * N + 4, N * V * e + (4 * N * V if e != 4 else 0), 8 * N * V)
+    if kind == "standard":
+        return LossBytes(4 * N * V + 8 * N + 4, N * V * e + (4 * N * V if e != 4 else 0), 8 * N * V)
+    from effpretrain.loss import loss_bytes as own_terms
+
+    terms = own_terms(kind, N, V, hidden, act, chunk)  # ValueError naming an unknown kind
+    backward = terms["transient"] if kind == "chunked_recompute" else 0
+    return LossBytes(terms["saved"], terms["transient"] + 8 * N, backward)
 
 
 @dataclass(frozen=True)
@@ -383,7 +387,7 @@ def activation_terms(
     rank: int = 0,
     linear_weights: tuple[int, int] = (0, 0),
     loss: str = "standard",
-    loss_chunk_tokens: int = 4096,
+    loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> Activations:
     """The saved activations of one micro-batch of N = `batch_size` x `seq_len` tokens.
 
@@ -412,6 +416,12 @@ def activation_terms(
     )
     base = 8 * N + rope + N * (sb.final_norm_h * p.hidden + 4) + sb.weight_cast * linear_weights[1]
     lb = loss_bytes(loss, N, V, p.hidden, precision(dtype).activations, loss_chunk_tokens)
+    if loss == "chunked":
+        # The head's product does not run through autograd: nothing saves the final norm's output
+        # (as the head's input, e N h) nor autocast's copy of the head's weight; dH is held at the
+        # residual stream's dtype, not the fp32 that `effpretrain.loss.loss_bytes` assumes.
+        base -= N * p.hidden * e + sb.weight_cast * linear_weights[1]
+        lb = dataclasses.replace(lb, saved=lb.saved - (4 - sb.residual) * N * p.hidden)
     return Activations(blocks, full, base, lb)
 
 
@@ -588,7 +598,7 @@ def estimate(
     warm_start: bool = False,
     grad_accum: int = 1,
     loss: str = "standard",
-    loss_chunk_tokens: int = 4096,
+    loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     restarts: bool = False,
     ddp_bucket_view: bool = True,
     data: int = 0,
@@ -750,8 +760,8 @@ def _estimate_config(
         sharding=sharding,
         warm_start=warm_start,
         grad_accum=cfg.train.grad_accum,
-        loss=getattr(cfg.train, "loss", "standard"),
-        loss_chunk_tokens=getattr(cfg.train, "loss_chunk_tokens", 4096),
+        loss=cfg.train.loss,
+        loss_chunk_tokens=cfg.train.loss_chunk_tokens,
         restarts=cfg.restarts.every > 0,
         data=data_bytes(cfg.data.shuffle_buffer, cfg.data.seq_len),
     )

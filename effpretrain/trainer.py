@@ -452,7 +452,14 @@ class Trainer:
             else:
                 sync = contextlib.nullcontext() if k == K - 1 else self.acc.no_sync(self.model)
             with sync, self.acc.autocast():
-                s, _ = token_loss_sum(self.model, mb, packed=self.cfg.data.mode == "pack")
+                t = self.cfg.train
+                s, _ = token_loss_sum(
+                    self.model,
+                    mb,
+                    self.cfg.data.mode == "pack",
+                    loss=t.loss,
+                    chunk_tokens=t.loss_chunk_tokens,
+                )
                 # DDP and FSDP2 average gradients over ranks: scale so the result is the global token mean.
                 self.acc.backward(s * (self.world / n_targets))
             loss_sum += s.detach()

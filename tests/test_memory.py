@@ -194,7 +194,9 @@ def _measured_run(cfg, vocab_size, steps=2):
 
     def step():
         for _ in range(cfg.train.grad_accum):
-            s, _ = token_loss_sum(model, mb, packed=True)
+            s, _ = token_loss_sum(
+                model, mb, packed=True, loss=cfg.train.loss, chunk_tokens=cfg.train.loss_chunk_tokens
+            )
             s.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -242,7 +244,9 @@ def test_activations_equal_saved_bytes(precision, recipe, checkpointing):
 
     def forward():
         with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16-mixed"):
-            token_loss_sum(model, batch, packed=True)
+            token_loss_sum(
+                model, batch, packed=True, loss=cfg.train.loss, chunk_tokens=cfg.train.loss_chunk_tokens
+            )
 
     est = estimate_from_config(cfg, V, checkpointed=checkpointed_layers(checkpointing, 4))
     assert _saved_activation_bytes(model, forward) == est.activations
