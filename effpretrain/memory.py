@@ -5,7 +5,8 @@ Estimate, per rank, in bytes:
 - weights: every parameter (and persistent buffer such as SLTrain's sparse index) at its dtype;
 - grads: trainable parameters at the gradient dtype (= parameter dtype);
 - optimizer_state: the method's exact formula per parameter (`MethodSpec.state_bytes`), which
-  for each class is the same formula its docstring states and its tests check;
+  for each class is the same formula its docstring states and its tests check, plus once the
+  state all parameters share (`MethodSpec.shared_state_bytes`: 8-bit AdamW's quantile maps);
 - activations: the tensors autograd saves for backward in one micro-batch, as HF's LLaMA block
   (SDPA attention, SiLU MLP, RMSNorm) and the factorized layers really save them, per precision
   (`SAVED_BYTES`, `activation_terms`; equal to the measured saved bytes), a checkpointed block
@@ -178,7 +179,8 @@ class _Tally:
     whole_state: bool  # the method keeps all its state whole on every rank (FSDP2)
     weights: int = 0
     grads: int = 0
-    state: int = 0
+    state: int = 0  # includes `shared` once
+    shared: int = 0  # state the optimizer holds once for all parameters (the largest term)
     params: int = 0
     trainable: int = 0
     index_bytes: int = 0
@@ -209,6 +211,9 @@ class _Tally:
         whole = group is not None or self.whole_state
         mine = shape if whole else self.mine(shape)
         self.state += self.method.state_bytes(mine, group or {}, self.dtype)
+        shared = self.method.shared_state_bytes(mine, group or {}, self.dtype)
+        self.state += max(0, shared - self.shared)  # held once per optimizer: the largest counts
+        self.shared = max(self.shared, shared)
         step = self.method.step_transient_bytes(mine, group or {}, self.dtype)
         if whole and self.shard > 1:  # stepped whole: the gathered gradient and weight
             step += 2 * math.prod(shape) * self.dtype.itemsize

@@ -66,6 +66,7 @@ __all__ = [
     "biggest_term",
     "check_fits",
     "device_memory_limit",
+    "measure_run",
     "measure_step",
     "process_peak_bytes",
 ]
@@ -365,6 +366,45 @@ def measure_step(run_step: Callable[[], Any], model: torch.nn.Module, optimizer:
         return _result(rec, step, device)
     finally:
         rec.reg.close()
+
+
+def measure_run(cfg: Any, vocab_size: int, steps: int = 2, seed: int = 0) -> list[dict]:
+    """Builds `cfg`'s model and optimizer as the trainer does (its activation checkpointing as the
+    estimator plans it) and measures its first `steps` steps on one random batch, without data
+    loading: one `measure_step` breakdown per step. Step 0 builds the optimizer state (and a
+    projecting method's first basis: a refresh step); from step 1 the state exists before the
+    forward (the steady state). Tests and benchmarks/memory.py compare these with the estimate.
+
+    Args:
+        cfg: a loaded `effpretrain.config.Config`.
+        vocab_size: the model's vocabulary.
+        steps: how many steps to run and measure.
+        seed: seeds the batch's token ids (the bytes do not depend on them).
+    """
+    from effpretrain.loss import token_loss_sum
+    from effpretrain.memory import estimate_from_config
+    from effpretrain.models import set_activation_checkpointing
+    from effpretrain.optim_setup import build_optimizer_and_schedule
+    from effpretrain.run_model import build_run_model
+
+    model, _ = build_run_model(cfg, vocab_size)
+    set_activation_checkpointing(model, estimate_from_config(cfg, vocab_size).detail["checkpointed_layers"])
+    opt, _ = build_optimizer_and_schedule(model, cfg)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (cfg.train.batch_size, cfg.data.seq_len), generator=gen)
+    mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+    def step() -> None:
+        for _ in range(cfg.train.grad_accum):
+            s, _ = token_loss_sum(
+                model, mb, packed=True, loss=cfg.train.loss, chunk_tokens=cfg.train.loss_chunk_tokens
+            )
+            s.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return [measure_step(step, model, opt, k) for k in range(steps)]
 
 
 def _result(rec: _Step, step: int, device: torch.device) -> dict:

@@ -106,6 +106,9 @@ class MethodSpec:
         defaults: constructor keywords the toolkit passes unless the caller gives them.
         state_bytes_fn: the state formula for a class that has no ``state_bytes`` classmethod of
             its own (torch's AdamW); our classes document and test theirs.
+        shared_state_fn: bytes of state a parameter refers to that the optimizer holds once for all
+            its parameters (bitsandbytes' quantile maps), for a class whose ``shared_state_bytes``
+            classmethod does not say it; none: 0 (`shared_state_bytes`).
         step_transient_fn: bytes of the temporaries the step holds for one parameter
             (`step_transient_bytes`); default `_dense_update_transient`.
         foreach: the class steps every tensor at once (torch's foreach path), so the transients of
@@ -118,6 +121,7 @@ class MethodSpec:
     needs_total_steps: bool = False
     defaults: Mapping[str, Any] = field(default_factory=dict)
     state_bytes_fn: Callable[[tuple[int, ...], dict[str, Any], torch.dtype], int] | None = None
+    shared_state_fn: Callable[[tuple[int, ...], dict[str, Any], torch.dtype], int] | None = None
     step_transient_fn: Callable[[tuple[int, ...], dict[str, Any], torch.dtype], int] | None = None
     foreach: bool = False
 
@@ -187,6 +191,13 @@ class MethodSpec:
         """Exact bytes of optimizer state one parameter of `shape`/`dtype` holds after >= 1 step."""
         fn = self.state_bytes_fn or self.cls.state_bytes
         return int(fn(tuple(shape), group, dtype))
+
+    def shared_state_bytes(self, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+        """Bytes of state a parameter of `shape` refers to that are shared by all the optimizer's
+        parameters (held once): an optimizer's state is ``sum_p state_bytes(p) + max_p
+        shared_state_bytes(p)``. 0 for a method without such state."""
+        fn = self.shared_state_fn or getattr(self.cls, "shared_state_bytes", None)
+        return int(fn(tuple(shape), group, dtype)) if fn is not None else 0
 
     def step_transient_bytes(self, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
         """Bytes of the temporaries the step holds while it updates one parameter of `shape` (at a
@@ -303,18 +314,24 @@ def state_bytes(name: str, shape: tuple[int, ...], group: dict[str, Any], dtype:
 
 
 def measured_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Sums numel * element_size over every tensor held in `optimizer.state`, on this process.
+    """Sums numel * element_size over the distinct tensors held in `optimizer.state`, on this process.
 
-    A sharded (FSDP2 DTensor) state tensor counts its local shard only: the bytes this rank holds.
+    A tensor that several parameters' states refer to (bitsandbytes' quantile maps) is held once
+    and counted once (same start address, dtype and size). A sharded (FSDP2 DTensor) state tensor
+    counts its local shard only: the bytes this rank holds.
     """
     from optimizers._sharded import local
 
     inner = getattr(optimizer, "optimizer", optimizer)
-    total = 0
+    total, seen = 0, set()
     for st in inner.state.values():
         for v in st.values():
             if torch.is_tensor(v):
                 v = local(v)
+                key = (v.device, v.data_ptr(), v.dtype, v.numel())
+                if v.numel() and key in seen:
+                    continue
+                seen.add(key)
                 total += v.numel() * v.element_size()
     return total
 

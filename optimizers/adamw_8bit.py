@@ -27,7 +27,7 @@ __all__ = ["AdamW8bit"]
 
 # bitsandbytes' block-wise 8-bit state: one fp32 absmax per block of this many entries.
 _BLOCKSIZE = 256
-# Each 8-bit moment keeps a reference to its 256-entry fp32 quantization map (qmap1, qmap2).
+# Each 8-bit moment refers to a 256-entry fp32 quantization map (qmap1, qmap2), one per optimizer.
 _QMAP_ENTRIES = 256
 
 
@@ -124,14 +124,13 @@ class AdamW8bit(bnb.optim.AdamW8bit):
 
     @classmethod
     def state_bytes(cls, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
-        """Exact bytes of state tensors one parameter holds after >= 1 step (any param dtype).
+        """Exact bytes of the state tensors that belong to one parameter after >= 1 step (any dtype).
 
         With numel = prod(shape) and B = ceil(numel / 256):
 
-        - numel >= min_8bit_size (default 4096): ``2 * numel + 2 * 4 * B + 2 * 4 * 256``
-          (uint8 state1/state2, fp32 absmax1/absmax2, and the fp32 qmap1/qmap2 every param's
-          state refers to; the qmaps are shared by all params in memory, but are counted per
-          param, as a sum over state tensors counts them);
+        - numel >= min_8bit_size (default 4096): ``2 * numel + 2 * 4 * B`` (uint8 state1/state2,
+          fp32 absmax1/absmax2); the fp32 ``qmap1``/``qmap2`` its state also refers to are the
+          optimizer's, shared by every 8-bit parameter (`shared_state_bytes`);
         - otherwise: ``2 * 4 * numel`` (fp32 state1/state2).
 
         ``step`` is a python int (0 bytes). `group` keys read: ``min_8bit_size``.
@@ -139,5 +138,16 @@ class AdamW8bit(bnb.optim.AdamW8bit):
         numel = math.prod(shape)
         if numel >= group.get("min_8bit_size", 4096):
             blocks = -(-numel // _BLOCKSIZE)
-            return 2 * numel + 2 * 4 * blocks + 2 * 4 * _QMAP_ENTRIES
+            return 2 * numel + 2 * 4 * blocks
         return 2 * 4 * numel
+
+    @classmethod
+    def shared_state_bytes(cls, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+        """Bytes of the state one parameter refers to that the optimizer holds once for all of them.
+
+        An 8-bit parameter's ``qmap1``/``qmap2`` are the same two 256-entry fp32 tensors for every
+        parameter (bitsandbytes keeps one map per kind and device): ``2 * 4 * 256`` when numel >=
+        min_8bit_size, else 0. The optimizer's total is the largest of these over its parameters
+        (2048 bytes once any parameter is 8-bit), not their sum.
+        """
+        return 2 * 4 * _QMAP_ENTRIES if math.prod(shape) >= group.get("min_8bit_size", 4096) else 0

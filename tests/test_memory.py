@@ -178,31 +178,11 @@ def _saved_activation_bytes(model, fn):
 
 
 def _measured_run(cfg, vocab_size, steps=2):
-    """Builds the run's model and optimizer as the trainer does and measures `steps` steps (the
-    largest peak; from the second step the optimizer state exists before the forward)."""
-    from effpretrain.loss import token_loss_sum
-    from effpretrain.memory_measure import measure_step
-    from effpretrain.models import set_activation_checkpointing
-    from effpretrain.optim_setup import build_optimizer_and_schedule
-    from effpretrain.run_model import build_run_model
+    """The run's model and optimizer built as the trainer does, `steps` steps measured: the one
+    with the largest peak (from the second step the optimizer state exists before the forward)."""
+    from effpretrain.memory_measure import measure_run
 
-    model, _ = build_run_model(cfg, vocab_size)
-    set_activation_checkpointing(model, estimate_from_config(cfg, vocab_size).detail["checkpointed_layers"])
-    opt, _ = build_optimizer_and_schedule(model, cfg)
-    ids = torch.randint(0, vocab_size, (cfg.train.batch_size, cfg.data.seq_len), generator=torch.Generator())
-    mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-
-    def step():
-        for _ in range(cfg.train.grad_accum):
-            s, _ = token_loss_sum(
-                model, mb, packed=True, loss=cfg.train.loss, chunk_tokens=cfg.train.loss_chunk_tokens
-            )
-            s.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return max((measure_step(step, model, opt, k) for k in range(steps)), key=lambda r: r["peak"])
+    return max(measure_run(cfg, vocab_size, steps), key=lambda r: r["peak"])
 
 
 def _check_against_measured(recipe, overrides, rel_peak=0.05):
@@ -212,10 +192,12 @@ def _check_against_measured(recipe, overrides, rel_peak=0.05):
     cfg = load_config(recipe, [*overrides, "data.shuffle_buffer=0"])
     est = estimate_from_config(cfg, cfg.data.vocab_size)
     measured = _measured_run(cfg, cfg.data.vocab_size)
-    # Weights are exact, activations too (the formula counts what HF LLaMA, SDPA and the factorized
-    # layers save); the peak within a few percent (temporaries). (Optimizer state: the measurement
-    # counts bitsandbytes' shared qmaps once, the formula per tensor; test_memory_measure's claim.)
+    # Weights, gradients and optimizer state are exact (state shared by all parameters, 8-bit
+    # AdamW's quantile maps, counted once on both sides), activations too (the formula counts what
+    # HF LLaMA, SDPA and the factorized layers save); the peak within a few percent (temporaries).
     assert measured["weights"] == est.weights
+    assert measured["gradients"] == est.grads
+    assert measured["optimizer_state"] == est.optimizer_state
     assert measured["activations"] == pytest.approx(est.activations, rel=0.01)
     assert measured["peak"] == pytest.approx(est.peak, rel=rel_peak), est.detail["peak_terms"]
     return est, measured

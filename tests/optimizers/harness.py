@@ -519,17 +519,35 @@ def check_state_bytes(name: str, case: Case, variant: str, dtype: torch.dtype = 
     built = param_groups(name, params[:2], params[2:3], params[3:], basis=case.variants[variant].basis)
     plain_kw = {k: v for k, v in constructor_kwargs(name, case, variant).items() if k not in ADAM}
     _run_case(opt, params, case, 0, 2)
-    total = 0
+    shared = _shared_state_tensors(opt)
+    total, shared_want = 0, 0
     for group, plain in zip(opt.param_groups, built, strict=True):
         plain = {**plain_kw, **{k: v for k, v in plain.items() if k != "params"}}
         for p in group["params"]:
-            real = state_bytes_of(opt, p)
+            own = [v for v in opt.state[p].values() if torch.is_tensor(v) and id(v) not in shared]
+            real = sum(v.numel() * v.element_size() for v in own)
             where = f"{variant}, {dtype}, {tuple(p.shape)}"
             assert real == spec.state_bytes(tuple(p.shape), group, dtype), f"{where}: recorded group"
             assert real == spec.state_bytes(tuple(p.shape), plain, dtype), f"{where}: plain group"
+            assert spec.shared_state_bytes(tuple(p.shape), group, dtype) == spec.shared_state_bytes(
+                tuple(p.shape), plain, dtype
+            ), f"{where}: shared state, recorded vs plain group"
+            shared_want = max(shared_want, spec.shared_state_bytes(tuple(p.shape), group, dtype))
             total += real
-    assert optimizers.measured_state_bytes(opt) == total
+    # State that several parameters refer to (8-bit AdamW's quantile maps) is held, and counted, once.
+    assert sum(v.numel() * v.element_size() for v in shared.values()) == shared_want
+    assert optimizers.measured_state_bytes(opt) == total + shared_want
     assert total > 0
+
+
+def _shared_state_tensors(opt: torch.optim.Optimizer) -> dict[int, torch.Tensor]:
+    """The state tensors (by id) that more than one parameter's state refers to."""
+    refs: dict[int, list[torch.Tensor]] = {}
+    for st in opt.state.values():
+        for v in st.values():
+            if torch.is_tensor(v):
+                refs.setdefault(id(v), []).append(v)
+    return {k: vs[0] for k, vs in refs.items() if len(vs) > 1}
 
 
 def check_state_and_groups(name: str, case: Case, variant: str) -> None:

@@ -14,6 +14,7 @@ pytest.importorskip("bitsandbytes")
 import harness  # noqa: E402
 from harness import make_params, run, state_bytes_of  # noqa: E402
 
+import optimizers  # noqa: E402
 from optimizers.adamw_8bit import AdamW8bit  # noqa: E402
 
 # 8-bit (>= 4096 entries, one with a partial last block) and fp32-state (small) tensors.
@@ -70,7 +71,14 @@ def test_group_min_8bit_size_is_honoured_and_counted():
     assert opt.state[big]["state1"].dtype == torch.float32
     assert opt.state[small]["state1"].dtype == torch.uint8
     for p, g in ((big, opt.param_groups[0]), (small, opt.param_groups[1])):
-        assert state_bytes_of(opt, p) == AdamW8bit.state_bytes(tuple(p.shape), g, torch.float32)
+        own = AdamW8bit.state_bytes(tuple(p.shape), g, torch.float32)
+        assert state_bytes_of(opt, p) == own + AdamW8bit.shared_state_bytes(tuple(p.shape), g, torch.float32)
+    # The maps are one pair for the optimizer: counted once in its total.
+    assert AdamW8bit.shared_state_bytes(tuple(big.shape), opt.param_groups[0], torch.float32) == 0
+    assert (
+        optimizers.measured_state_bytes(opt)
+        == 8 * big.numel() + 2 * small.numel() + 8 * (-(-small.numel() // 256)) + 2 * 4 * 256
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -78,8 +86,12 @@ def test_state_bytes_formula_worked_value(dtype):
     params = _params(4, dtype)
     opt = AdamW8bit(params)
     run(opt, params, 0, 2, **GRADS)
-    # 128 x 64 is 8-bit: 2 * 8192 + 2 * 4 * 32 (absmax per 256 block) + 2 * 4 * 256 (the maps).
-    assert state_bytes_of(opt, params[0]) == AdamW8bit.state_bytes((128, 64), {}, dtype) == 18688
+    # 128 x 64 is 8-bit: 2 * 8192 + 2 * 4 * 32 (absmax per 256 block), and it refers to the
+    # optimizer's two maps (2 * 4 * 256), which every 8-bit parameter shares.
+    assert AdamW8bit.state_bytes((128, 64), {}, dtype) == 16640
+    assert AdamW8bit.shared_state_bytes((128, 64), {}, dtype) == 2048
+    assert state_bytes_of(opt, params[0]) == 16640 + 2048
+    assert opt.state[params[0]]["qmap1"] is opt.state[params[1]]["qmap1"]
 
 
 def test_clear_import_error_without_bitsandbytes(monkeypatch):
