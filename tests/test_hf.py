@@ -392,6 +392,9 @@ def test_estimate_for_a_preset_model_is_effpretrains_and_matches_measured(method
     assert est.detail["source"] == "preset:tiny"
     cfg = hf.build_run_config(model, method, num_training_steps=4, lr=1e-3, rank=16)
     cfg.train.batch_size, cfg.data.seq_len = BATCH, SEQ
+    # Under the HF Trainer the model computes its own (standard) loss and no effpretrain stream
+    # holds a shuffle buffer: the run config that matches it says so.
+    cfg.train.loss, cfg.data.shuffle_buffer = "standard", 0
     assert est.as_dict() == {**memory.estimate_from_config(cfg, 256).as_dict(), "source": "preset:tiny"}
     x = torch.randint(0, 256, (2, SEQ))
     model(input_ids=x, labels=x).loss.backward()
