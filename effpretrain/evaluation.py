@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from effpretrain.data import ValidationSet
-from effpretrain.loss import token_loss_sum
+from effpretrain.loss import DEFAULT_CHUNK_TOKENS, token_loss_sum
 
 __all__ = ["EvalResult", "evaluate", "from_totals"]
 
@@ -105,6 +105,8 @@ def evaluate(
     autocast: Callable[[], AbstractContextManager],
     all_reduce_sum: Callable[[torch.Tensor], torch.Tensor],
     lockstep: bool = False,
+    loss: str = "standard",
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> EvalResult:
     """Evaluates `model` on this rank's batches of `val` and combines all ranks (module docstring).
 
@@ -117,6 +119,8 @@ def evaluate(
         all_reduce_sum: sums a tensor over the processes (identity in one process).
         lockstep: every rank runs the same number of forwards (FSDP2: each forward gathers
             shards collectively); a rank without a batch left repeats batch 0 and drops it.
+        loss, chunk_tokens: `train.loss` and `train.loss_chunk_tokens`; under no-grad the chunked
+            kinds compute the loss alone, a chunk at a time, never the (rows x vocabulary) logits.
     """
     n = len(val)
     n_batches = -(-n // batch_size)
@@ -126,7 +130,7 @@ def evaluate(
         lo = j * batch_size if j < n_batches else 0
         batch = {k: v.to(device) for k, v in val.rows(lo, min(lo + batch_size, n)).items()}
         with autocast():
-            s, c = token_loss_sum(model, batch)
+            s, c = token_loss_sum(model, batch, loss=loss, chunk_tokens=chunk_tokens)
         if j < n_batches:
             s, c = s.detach().double(), c.double()
             totals += torch.stack([s, c, s / c, torch.ones_like(s)])

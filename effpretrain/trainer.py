@@ -501,6 +501,8 @@ class Trainer:
                 autocast=self.acc.autocast,
                 all_reduce_sum=lambda t: self.acc.reduce(t, reduction="sum"),
                 lockstep=self.fsdp,
+                loss=self.cfg.train.loss,
+                chunk_tokens=self.cfg.train.loss_chunk_tokens,
             )
         finally:
             self.model.train()
