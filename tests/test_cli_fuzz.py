@@ -68,6 +68,15 @@ _OUT_OF_RANGE: dict[config.Check, dict[type, st.SearchStrategy]] = {
     config.SEED: {
         int: st.one_of(st.integers(max_value=-1), st.integers(min_value=2**32, max_value=2**63 - 1))
     },
+    # An int >= 0 or `auto`: negative ints and words YAML reads as strings other than `auto`.
+    config.CHECKPOINTING: {
+        int | str: st.one_of(
+            st.integers(max_value=-1),
+            st.text(alphabet=string.ascii_letters, min_size=1, max_size=10).filter(
+                lambda w: isinstance(yaml.safe_load(w), str) and w != "auto"
+            ),
+        )
+    },
 }
 
 _SHORT_TEXT = st.text(max_size=12)
@@ -128,6 +137,8 @@ def bad_values(tp: Any) -> st.SearchStrategy:
             others.append(_not_in(m.names))
         if isinstance(m, config.Check):
             others.append(_OUT_OF_RANGE[m][base])
+    if base == int | str:  # a count or a keyword (train.activation_checkpointing)
+        return st.one_of(*others, st.dates())
     if base is bool:
         return st.one_of(*others, st.integers(), st.floats(), _SHORT_TEXT)
     if base is int:
