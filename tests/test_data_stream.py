@@ -449,17 +449,17 @@ def test_tokenising_on_a_background_thread_changes_no_batch(tmp_path):
     checkpoint-style resume, an undone (skipped) step, and a bad shard's error at the same draw."""
     write_shards(tmp_path, 5, 150, ".jsonl")
 
-    def stream(prefetch):
+    def new_stream(prefetch):
         corpus = files_corpus(tmp_path)
         return data.TokenStream(
             corpus, BYTES, 32, "truncate", 3, shuffle_buffer=16, doc_buffer=40, prefetch=prefetch
         )
 
     def run(prefetch):
-        s = stream(prefetch)
+        s = new_stream(prefetch)
         out = [s.next_rows(8)["input_ids"] for _ in range(30)]
         blob = _saved(s)
-        resumed = stream(prefetch)
+        resumed = new_stream(prefetch)
         resumed.load_state_dict(_loaded(blob))
         for i in range(30):
             snap = resumed.snapshot()
