@@ -35,7 +35,6 @@ import argparse
 import copy
 import datetime as dt
 import gzip
-import inspect
 import io
 import json
 import os
@@ -98,21 +97,11 @@ def write_corpus(folder: Path, files: int, text_bytes: int, gz: bool = True, see
     return n
 
 
-def make_stream(corpus, tok, cfg: DataConfig) -> data.TokenStream:
-    """The stream a one-process run builds from `cfg`, with the run's document buffer and
-    background tokenisation where this version of the stream has them."""
-    params = inspect.signature(data.TokenStream).parameters
-    extra = {k: getattr(cfg, k) for k in ("doc_buffer", "prefetch") if k in params and hasattr(cfg, k)}
-    return data.TokenStream(
-        corpus, tok, cfg.seq_len, cfg.mode, cfg.shuffle_seed, shuffle_buffer=cfg.shuffle_buffer, **extra
-    )
-
-
 def pipeline(cfg: DataConfig, batch: int):
     """The training pipeline of a run on `cfg`: corpus, tokenizer, stream, batches."""
     corpus = data.load_corpus(cfg)
     tok = data.load_tokenizer(cfg, corpus)
-    stream = make_stream(corpus, tok, cfg)
+    stream = data.TokenStream.from_config(corpus, tok, cfg)
     return corpus, tok, stream, data.Batches(stream, batch, 1, vocab_size=tok.vocab_size)
 
 
@@ -149,7 +138,7 @@ def resume_latency(cfg: DataConfig, batch: int, at: int, points: int = 10, repea
         for _ in range(repeats):
             saved = copy.deepcopy(state)  # load_state_dict may adopt (and the stream then mutate) its tensors
             t0 = time.perf_counter()
-            new = make_stream(corpus, tok, cfg)
+            new = data.TokenStream.from_config(corpus, tok, cfg)
             new.load_state_dict(saved)
             got = data.Batches(new, batch, 1, vocab_size=tok.vocab_size).next_step()[0][0]["input_ids"]
             times.append(time.perf_counter() - t0)

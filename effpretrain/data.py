@@ -873,6 +873,24 @@ class TokenStream:
         draws each rank's rows from its own stream."""
         return self.reader is not None
 
+    @classmethod
+    def from_config(
+        cls, corpus, tok: Tokenizer, cfg: DataConfig, rank: int = 0, world: int = 1
+    ) -> TokenStream:
+        """The stream a run on `cfg` reads, as this process (`rank` of `world`)."""
+        return cls(
+            corpus,
+            tok,
+            cfg.seq_len,
+            cfg.mode,
+            cfg.shuffle_seed,
+            shuffle_buffer=cfg.shuffle_buffer,
+            rank=rank,
+            world=world,
+            doc_buffer=cfg.doc_buffer,
+            prefetch=cfg.prefetch,
+        )
+
     # -- position ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         lengths = [len(p) for p in self.pending]

@@ -140,18 +140,7 @@ class Trainer:
         with self.acc.main_process_first():
             self.corpus = data_mod.load_corpus(cfg.data)
             self.tok = data_mod.load_tokenizer(cfg.data, self.corpus)
-        self.stream = data_mod.TokenStream(
-            self.corpus,
-            self.tok,
-            cfg.data.seq_len,
-            cfg.data.mode,
-            cfg.data.shuffle_seed,
-            shuffle_buffer=cfg.data.shuffle_buffer,
-            rank=self.rank,
-            world=self.world,
-            doc_buffer=cfg.data.doc_buffer,
-            prefetch=cfg.data.prefetch,
-        )
+        self.stream = data_mod.TokenStream.from_config(self.corpus, self.tok, cfg.data, self.rank, self.world)
         self.batches = data_mod.Batches(
             self.stream,
             t.batch_size,
