@@ -368,6 +368,11 @@ class DistConfig:
     sharding: Literal["ddp", "fsdp2"] = "ddp"
     """How several processes split the model: `ddp` (replicas) or `fsdp2` (sharded weights,
     gradients and states); unused in a single process."""
+    whole_matrix: Literal["owner", "gather"] = "owner"
+    """Under `fsdp2`, where a method's whole-matrix step (projection bases, 8-bit blocks) runs:
+    `owner` (once per matrix, on one owner rank that alone holds its state: per-rank state ~1/N)
+    or `gather` (every rank gathers every matrix, repeats the step and holds all of that state;
+    the earlier behaviour, kept for comparison). Same numbers either way."""
 
 
 @dataclass

@@ -10,8 +10,9 @@ on the local shards, so element-wise optimizers (AdamW, the factorized methods) 
 Checkpoints use torch.distributed.checkpoint (DCP): `save_sharded` writes the model's and the
 optimizer's tensors into ``step-N/dcp/`` with every rank writing only its own shards (one
 ``__<rank>_0.distcp`` file each, plus rank 0's ``.metadata``), so no rank ever holds a full
-model or optimizer state; state that is whole on every rank (projected low-rank state, the 8-bit
-methods' state, scalars) is written once. What is not a tensor (step counters, param groups,
+model or optimizer state; state that lives whole on one owner rank (projected low-rank state, the
+8-bit methods' state: optimizers/_owners.py) is written by its owner, and state replicated on
+every rank (scalars) is written once. What is not a tensor (step counters, param groups,
 the restart counters) goes into ``trainer.pt`` as a "skeleton" whose tensor leaves are
 placeholders naming their DCP key, shape, strides and whether they were sharded. Per-parameter
 optimizer state is keyed by the parameter's name (``optim/state/<name>/<key>``), not by torch's
@@ -204,26 +205,55 @@ def _keyed_by_index(sd: dict[str, Any], names: list[list[str]]) -> dict[str, Any
     return out
 
 
+def _holds_state(opt: torch.optim.Optimizer, p: torch.Tensor) -> bool:
+    """Whether this rank holds `p`'s state: False only where an owner rank holds it
+    (optimizers/_owners.py), True for every optimizer without owner ranks."""
+    o: Any = opt
+    while o is not None:
+        if hasattr(o, "holds_state"):
+            return bool(o.holds_state(p))
+        o = getattr(o, "optimizer", None)
+    return True
+
+
 def save_sharded(folder: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """Writes the model's and optimizer's tensors to `folder` with DCP (a collective: every rank).
 
     The optimizer state is keyed by parameter name (``optim/state/<name>/<key>``), not by torch's
-    position index, so it names what it belongs to. Returns the optimizer state dict's skeleton
-    (identical on every rank), for ``trainer.pt``.
+    position index, so it names what it belongs to. State that lives on one owner rank is written
+    by that rank alone. Returns the optimizer state dict's skeleton, every rank's parameters'
+    entries merged (identical on every rank), for ``trainer.pt``.
     """
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     tensors: dict[str, torch.Tensor] = {}
     by_name = _keyed_by_name(opt.state_dict(), _param_names(model, opt))
     skeleton = _split(by_name, "optim", tensors)
     dcp.save({"model": model.state_dict(), "optim": tensors}, checkpoint_id=str(folder))
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, skeleton["state"])
+        merged: dict[str, Any] = {}
+        for state in every:
+            merged.update(state)  # an owner's entries; sharded and replicated ones are identical
+        skeleton["state"] = {k: merged[k] for k in sorted(merged, key=_flat_order(by_name))}
     return skeleton
+
+
+def _flat_order(by_name: dict[str, Any]) -> Any:
+    """Sort key: parameters in the optimizer's order (as torch's state dict lists them)."""
+    order = {n: i for i, n in enumerate(n for g in by_name["param_groups"] for n in g["params"])}
+    return lambda k: order.get(k, len(order))
 
 
 def load_sharded(
     folder: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, skeleton: dict[str, Any]
 ) -> None:
     """Reads a `save_sharded` checkpoint into the sharded model and the optimizer (every rank).
+
+    A rank reads the state of the parameters it holds state for (all of them, except where an
+    owner rank holds a parameter's whole state: then only its owner reads it).
 
     Raises ValueError naming the first tensor or parameter that does not fit this model or
     optimizer (ConfigError, a ValueError, if the model's weights do not match).
@@ -232,6 +262,10 @@ def load_sharded(
 
     names = _param_names(model, opt)
     params = dict(model.named_parameters())
+    skeleton = dict(skeleton)
+    skeleton["state"] = {
+        k: v for k, v in skeleton["state"].items() if k not in params or _holds_state(opt, params[k])
+    }
     tensors: dict[str, torch.Tensor] = {}
     for ph in _placeholders(skeleton):
         key, dtype = ph[_PLACEHOLDER], getattr(torch, ph["dtype"])

@@ -26,12 +26,13 @@ The parameter shapes are those of the preset's LlamaForCausalLM built on PyTorch
 ``dtype`` names the precision, as ``train.precision`` does (`PRECISIONS`): ``fp32``;
 ``bf16-mixed`` (fp32 weights/grads/states, bf16 activations); ``bf16-pure`` (weights, grads and
 states in bf16, the paper's setting).
-Under FSDP2 weights, grads and full-rank states are sharded over ranks, while a projected matrix's
-low-rank moments and basis are computed from the gathered gradient and held whole on every rank
-(optimizers/projected_adam.py), and the 8-bit methods (adamw_8bit, galore_8bit) step gathered tensors and
-hold all their state whole on every rank (`MethodSpec.fsdp2_whole_state`); under DDP every rank
-holds all. Per-rank figures are rank 0's, the largest share: torch.chunk gives it ceil(rows / N)
-rows of every tensor.
+Under FSDP2 weights, grads and element-wise states are sharded over ranks, while a projected
+matrix's low-rank moments and basis, and all the state of the 8-bit methods (adamw_8bit,
+galore_8bit: `MethodSpec.fsdp2_whole_state`), are whole-tensor state held by one owner rank per
+parameter, placed as the optimizers place it (`optimizers.assign_owners`, optimizers/_owners.py);
+under DDP every rank holds all. Weights and gradients are rank 0's, the largest share (torch.chunk
+gives it ceil(rows / N) rows of every tensor); the optimizer state is the largest rank's, and
+``detail["optimizer_state_per_rank"]`` lists every rank's.
 
 Measured: exact optimizer-state bytes from the state tensors, and peak memory (CUDA max allocated,
 or the process's peak RSS on CPU).
@@ -179,8 +180,10 @@ class _Tally:
     whole_state: bool  # the method keeps all its state whole on every rank (FSDP2)
     weights: int = 0
     grads: int = 0
-    state: int = 0  # includes `shared` once
-    shared: int = 0  # state the optimizer holds once for all parameters (the largest term)
+    state: int = 0  # set by `finish`: the largest rank's state, shared state included once
+    state_ranks: list[int] = field(default_factory=list)  # each rank's state (`finish`)
+    shared_ranks: list[int] = field(default_factory=list)  # state held once per optimizer, per rank
+    owned: list[tuple[int, int, int]] = field(default_factory=list)  # (cost, state, shared) on owners
     params: int = 0
     trainable: int = 0
     index_bytes: int = 0
@@ -191,6 +194,10 @@ class _Tally:
     block_grads: dict[int, int] = field(default_factory=dict)
     unit_full: dict[int | None, int] = field(default_factory=dict)  # FSDP2 units, unsharded bytes
     unit_mine: dict[int | None, int] = field(default_factory=dict)  # and rank 0's shard
+
+    def __post_init__(self) -> None:
+        self.state_ranks = [0] * self.shard
+        self.shared_ranks = [0] * self.shard
 
     def mine(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """Rank 0's part of a tensor: torch.chunk gives it ceil(rows / N) rows."""
@@ -203,21 +210,49 @@ class _Tally:
     def trainable_tensor(self, shape: tuple[int, ...], group: dict[str, Any] | None = None) -> None:
         """A trainable tensor: its weight, its gradient and its state. Element-wise state is split
         like its parameter (scalar terms, such as torch AdamW's step tensor, stay whole); a
-        projected tensor's state (`group` given) and a whole-state method's stay whole."""
+        projected tensor's state (`group` given) and a whole-state method's are whole: on every
+        rank without sharding, on one owner rank under FSDP2 (`finish` places them)."""
         self.stored_weight(shape)
         self.grads += self.stored(shape)
         if self.unit is not None:
             self.block_grads[self.unit] = self.block_grads.get(self.unit, 0) + self.stored(shape)
-        whole = group is not None or self.whole_state
+        group = group or {}
+        whole = "rank" in group or self.whole_state
+        if whole and self.shard > 1:
+            self.owned.append(
+                (
+                    optimizers.whole_cost(shape, group),
+                    self.method.state_bytes(shape, group, self.dtype),
+                    self.method.shared_state_bytes(shape, group, self.dtype),
+                )
+            )
+        else:
+            parts = self.chunks(shape) if self.shard > 1 else [shape]
+            for i, part in enumerate(parts):
+                self.state_ranks[i] += self.method.state_bytes(part, group, self.dtype)
+                self.shared_ranks[i] = max(self.shared_ranks[i], self.method.shared_state_bytes(part, group, self.dtype))
         mine = shape if whole else self.mine(shape)
-        self.state += self.method.state_bytes(mine, group or {}, self.dtype)
-        shared = self.method.shared_state_bytes(mine, group or {}, self.dtype)
-        self.state += max(0, shared - self.shared)  # held once per optimizer: the largest counts
-        self.shared = max(self.shared, shared)
-        step = self.method.step_transient_bytes(mine, group or {}, self.dtype)
-        if whole and self.shard > 1:  # stepped whole: the gathered gradient and weight
-            step += 2 * math.prod(shape) * self.dtype.itemsize
+        step = self.method.step_transient_bytes(mine, group, self.dtype)
+        if whole and self.shard > 1:
+            # Stepped whole on the owner: the gathered W and G, and while gathering the receive
+            # buffer of the same size (freed before the step's own temporaries).
+            full = math.prod(shape) * self.dtype.itemsize
+            step = max(step + 2 * full, 4 * full)
         self.transient = self.transient + step if self.method.foreach else max(self.transient, step)
+
+    def chunks(self, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """Every rank's part of a `shape` tensor under FSDP2 (torch.chunk's rows)."""
+        return [(rows, *shape[1:]) for rows in optimizers.shard_rows(shape[0], self.shard)]
+
+    def finish(self) -> None:
+        """Places the whole-state tensors on their owner ranks (`optimizers.assign_owners`, as the
+        optimizers do) and sets ``state`` to the largest rank's total, ``state_ranks`` to each's."""
+        owners = optimizers.assign_owners([(c, s) for c, s, _ in self.owned], self.shard)
+        for (_, state, shared), r in zip(self.owned, owners):
+            self.state_ranks[r] += state
+            self.shared_ranks[r] = max(self.shared_ranks[r], shared)
+        self.state_ranks = [a + b for a, b in zip(self.state_ranks, self.shared_ranks)]
+        self.state = max(self.state_ranks)
 
     def stored_weight(self, shape: tuple[int, ...]) -> None:
         """A parameter's storage on this rank, and its FSDP2 unit's (unsharded and rank 0's)."""
@@ -641,6 +676,7 @@ def estimate(
         warm_start,
         restarts,
     )
+    t.finish()
     p = PRESETS[preset]
     ck = checkpointed_layers(activation_checkpointing, p.layers)
     saves_rank = factor is not None and factor.saves_rank_input and not (warm_start and factor.warm_starts)
@@ -669,6 +705,7 @@ def estimate(
         "world_size": world_size,
         "sharding": sharding,
         "sparse_index_bytes": t.index_bytes,
+        "optimizer_state_per_rank": t.state_ranks,
         "checkpointed_layers": sorted(ck),
         "loss": loss,
         "peak_phase": "optimizer_step" if moment == "optimizer_step" else "forward_backward",

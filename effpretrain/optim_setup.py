@@ -184,7 +184,8 @@ def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str,
 
 def optimizer_kwargs(cfg: RunConfig) -> dict[str, Any]:
     """Constructor keywords: the common Adam settings, `optim.extra` (without the basis options,
-    which go to projected groups) and the run length for methods that need it (the registry).
+    which go to projected groups), the run length for methods that need it and `dist.whole_matrix`
+    for methods with whole-matrix steps (the registry).
     ``optim.eps`` null passes no eps, so the method's own reference value applies (GaLore, Fira,
     APOLLO and SPAM use 1e-6, AdamW 1e-8: one fixed default would be wrong for half of them)."""
     o = cfg.optim
@@ -192,7 +193,10 @@ def optimizer_kwargs(cfg: RunConfig) -> dict[str, Any]:
     if o.eps is not None:
         kw["eps"] = o.eps
     kw.update(o.extra)
-    return optimizers.method_spec(o.name).constructor_kwargs(kw, total_steps=cfg.train.max_steps)
+    spec = optimizers.method_spec(o.name)
+    if spec.whole_matrix_steps:
+        kw["whole_matrix"] = cfg.dist.whole_matrix
+    return spec.constructor_kwargs(kw, total_steps=cfg.train.max_steps)
 
 
 def wrap_restarts(

@@ -174,6 +174,8 @@ def build_summary(
     vocab_size: int,
     sharding: str,
     memory_records: list[list[dict[str, Any]]] | None = None,
+    telemetry: dict[str, Any] | None = None,
+    state_ranks: list[int] | None = None,
 ) -> dict[str, Any]:
     """summary.json: the run's result, measured memory beside the estimate, and its provenance.
 
@@ -186,6 +188,9 @@ def build_summary(
         sharding: "none", "ddp" or "fsdp2" as run.
         memory_records: per measured step, every rank's `memory_measure.measure_step` result
             (``memory_measured``, see `measured_memory`).
+        telemetry: the optimizer's telemetry (over every rank); None reads this rank's.
+        state_ranks: every rank's measured optimizer-state bytes, in rank order (None: one rank).
+            ``optimizer_state_bytes`` is this rank's; the estimate is compared rank by rank.
     """
     import transformers
 
@@ -196,6 +201,10 @@ def build_summary(
     # A run with a warm start ends in its factorized phase (unless it never left the warm start).
     phase = est.detail.get("phases", {}).get("warm_start" if warming_up(model) else "factorized")
     est_state = phase["optimizer_state"] if phase else est.optimizer_state
+    state_ranks = state_ranks or [measured_state]
+    est_ranks = est.detail.get("optimizer_state_per_rank") if phase is None else None
+    if est_ranks is None or len(est_ranks) != len(state_ranks):  # unsharded: every rank holds all
+        est_ranks = [est_state] * len(state_ranks)
     return {
         "method": cfg.method,
         "optimizer": cfg.optim.name,
@@ -220,8 +229,9 @@ def build_summary(
         "grad_bytes": grad_bytes,
         "memory_measured": measured_memory(memory_records or []),
         "estimated": est.as_dict(),
+        "optimizer_state_bytes_per_rank": state_ranks,
         "estimate_matches_measured": {
-            "optimizer_state": est_state == measured_state,
+            "optimizer_state": est_ranks == state_ranks,
             "weights": est.weights == weight_bytes,
         },
         "device": device_name(acc.device),
@@ -232,7 +242,7 @@ def build_summary(
         "transformers": transformers.__version__,
         "git_commit": git_commit(),
         "config_hash": config_hash(cfg),
-        **opt_telemetry(opt),
+        **(opt_telemetry(opt) if telemetry is None else telemetry),
     }
 
 

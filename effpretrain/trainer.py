@@ -298,6 +298,17 @@ class Trainer:
             rec["ranks"] = ranks
         report.write(rec)
 
+    def _telemetry(self) -> dict[str, Any]:
+        """The optimizer's telemetry. Under FSDP2 each owner rank computes its own parameters'
+        bases, so ``opt/refreshes`` is summed over the ranks (the bases the run computed) and
+        ``opt/refresh_s`` is the slowest rank's (a collective then: every rank calls it)."""
+        tel = opt_telemetry(self.inner_opt)
+        if self.fsdp and "opt/refreshes" in tel:
+            ranks = self._gather_small(tel)
+            tel["opt/refreshes"] = sum(r["opt/refreshes"] for r in ranks)
+            tel["opt/refresh_s"] = max(r["opt/refresh_s"] for r in ranks)
+        return tel
+
     def _gather_small(self, obj: Any) -> list[Any]:
         """`obj` from every rank, in rank order (a small picklable object)."""
         if self.world == 1:
@@ -375,7 +386,7 @@ class Trainer:
                 "tokens_per_s": self.tokens_per_step / max(clock.since_step_start(), 1e-9),
                 "peak_memory_bytes": memory_measure.process_peak_bytes(self.acc.device),
                 "optimizer_state_bytes": optimizers.measured_state_bytes(self.inner_opt),
-                **opt_telemetry(self.inner_opt),
+                **self._telemetry(),
                 "opt/step_s": self.opt_seconds,
             }
         )
@@ -419,6 +430,8 @@ class Trainer:
             clock=clock,
             grad_bytes=self.grad_bytes,
             memory_records=self.memory_records,
+            telemetry=self._telemetry(),
+            state_ranks=self._gather_small(optimizers.measured_state_bytes(self.inner_opt)),
             vocab_size=self.tok.vocab_size,
             sharding=self._sharding(),
         )

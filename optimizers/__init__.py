@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from optimizers._owners import assign_owners, shard_rows, whole_cost
 from optimizers.momentum_reset import reset_
 from optimizers.refactorization import refactorize_
 from optimizers.restarts import Restarts, recovery_factor
@@ -137,13 +138,21 @@ class MethodSpec:
 
     @property
     def fsdp2_whole_state(self) -> bool:
-        """Under FSDP2 all of its state stays whole on every rank: its dense moments are not
-        element-wise (8-bit blocks), so it steps gathered tensors. Read from the class: the
-        ``ELEMENTWISE`` attribute of a projected class's moment storage (``MOMENTS``) or of the
-        class itself; a class without one is element-wise (its full-size state shards with the
-        parameter; a projected matrix's low-rank state is whole on every rank)."""
+        """Under FSDP2 all of its state is whole-tensor state, placed on owner ranks: its dense
+        moments are not element-wise (8-bit blocks), so every weight steps whole, once, on its
+        owner (optimizers/_owners.py), which alone holds that weight's state. Read from the
+        class: the ``ELEMENTWISE`` attribute of a projected class's moment storage (``MOMENTS``)
+        or of the class itself; a class without one is element-wise (its full-size state shards
+        with the parameter; a projected matrix's low-rank state lives on its owner rank)."""
         owner = getattr(self.cls, "MOMENTS", self.cls)
         return not getattr(owner, "ELEMENTWISE", True)
+
+    @property
+    def whole_matrix_steps(self) -> bool:
+        """Some of its steps need a parameter's whole matrix (a projection basis, 8-bit blocks):
+        under FSDP2 those run once on an owner rank (optimizers/_owners.py), and the class takes
+        ``whole_matrix`` ("owner" | "gather") and ``bucket_bytes``."""
+        return self.projects or self.fsdp2_whole_state
 
     @property
     def fixed_rank(self) -> int | None:
@@ -349,6 +358,7 @@ __all__ = [
     "PROJECTION_GROUP_EXTRAS",
     "MethodSpec",
     "Restarts",
+    "assign_owners",
     "build_optimizer",
     "get_optimizer_class",
     "measured_state_bytes",
@@ -357,6 +367,8 @@ __all__ = [
     "refactorize_",
     "register",
     "reset_",
+    "shard_rows",
     "state_bytes",
     "unregister",
+    "whole_cost",
 ]

@@ -16,6 +16,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from optimizers._owners import DEFAULT_BUCKET_BYTES, WHOLE_MATRIX_PATHS, OwnerRanks, whole_cost
+from optimizers._sharded import is_dtensor, whole, write_whole_
+
 try:
     import bitsandbytes as bnb
 except ImportError as err:  # the registry imports this module lazily, so only users of adamw_8bit see this
@@ -56,9 +59,8 @@ class AdamW8bit(bnb.optim.AdamW8bit):
     """
 
     ELEMENTWISE: ClassVar[bool] = False
-    """Block-wise 8-bit moments are not element-wise: under FSDP2 `step` works on the gathered
-    whole tensor and all of the state is whole on every rank (the registry's
-    ``fsdp2_whole_state`` reads this)."""
+    """Block-wise 8-bit moments are not element-wise: under FSDP2 every weight steps whole, on its
+    owner rank, which alone holds its state (the registry's ``fsdp2_whole_state`` reads this)."""
 
     def __init__(
         self,
@@ -68,8 +70,15 @@ class AdamW8bit(bnb.optim.AdamW8bit):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         min_8bit_size: int = 4096,
+        whole_matrix: str = "owner",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         **kwargs: Any,
     ) -> None:
+        if whole_matrix not in WHOLE_MATRIX_PATHS:
+            raise ValueError(f"whole_matrix must be one of {WHOLE_MATRIX_PATHS}, got {whole_matrix!r}")
+        self.whole_matrix = whole_matrix
+        self.bucket_bytes = int(bucket_bytes)
+        self._owners: OwnerRanks | None = None
         super().__init__(
             params,
             lr=lr,
@@ -89,38 +98,88 @@ class AdamW8bit(bnb.optim.AdamW8bit):
         config["min_8bit_size"] = group.get("min_8bit_size", config["min_8bit_size"])
         return config
 
+    def owner_ranks(self) -> OwnerRanks | None:
+        """The owner placement of the sharded (DTensor) weights (None: none, or "gather")."""
+        if self.whole_matrix != "owner":
+            return None
+        if self._owners is None:
+            items = [(p, g) for g in self.param_groups for p in g["params"] if is_dtensor(p)]
+            if not items:
+                return None
+            self._owners = OwnerRanks(
+                [p for p, _ in items],
+                [whole_cost(tuple(p.shape), g) for p, g in items],
+                [self.state_bytes(tuple(p.shape), g, p.dtype) for p, g in items],
+                self.bucket_bytes,
+            )
+        return self._owners
+
+    def holds_state(self, p: torch.Tensor) -> bool:
+        """Whether this process holds `p`'s state: False only for a weight another rank owns."""
+        owners = self.owner_ranks()
+        return owners is None or owners.owns(p)
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """bitsandbytes' step; under FSDP2 each sharded weight steps whole (see below).
 
         bitsandbytes' kernels take plain tensors, and its block-wise quantisation is not
-        element-wise, so for a DTensor weight every rank all-gathers the full weight and gradient,
-        bitsandbytes steps that whole tensor (the same blocks, hence the same numbers, as a single
-        process), and the rank keeps its own shard of the result. The 8-bit state is then whole on
-        every rank (2 bytes per entry plus block scales, not divided by the world size); cost per
-        weight and step: two all-gathers and two transient full-size buffers.
+        element-wise, so a DTensor weight steps as the whole tensor (the same blocks, hence the
+        same numbers, as a single process). ``whole_matrix="owner"`` (default): once, on the
+        weight's owner rank, which receives the row shards of W and G, holds the 8-bit state and
+        returns every rank its rows (optimizers/_owners.py), so each rank holds about 1/N of the
+        state. ``"gather"``: every rank all-gathers W and G and steps it, keeping its own rows;
+        the state is then whole on every rank.
         """
-        from optimizers._sharded import is_dtensor, whole, write_whole_
+        sharded = [(g, i, p) for g in self.param_groups for i, p in enumerate(g["params"]) if is_dtensor(p)]
+        if not sharded:
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        owners = self.owner_ranks()
+        if owners is None:
+            self._step_whole({p: (whole(p), whole(p.grad)) for _, _, p in sharded if p.grad is not None})
+            for _, _, p in sharded:
+                if p.grad is not None:
+                    write_whole_(p, self._stepped.pop(p))
+            return loss
+        for bucket in owners.buckets([p for _, _, p in sharded if p.grad is not None]):
+            self._step_whole(owners.gather(bucket))
+            owners.scatter(bucket, {p: self._stepped.pop(p) for p in list(self._stepped)})
+        return loss
 
-        swaps = []
+    def _step_whole(self, wholes: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """bitsandbytes' step of the weights in `wholes` (param -> whole W, G) only: each is swapped
+        into its group as a plain tensor for the step (its state moved along), every other weight's
+        gradient is hidden; the stepped whole W go to ``self._stepped``."""
+        swaps, hidden = [], []
         for group in self.param_groups:
             for i, p in enumerate(group["params"]):
-                if p.grad is not None and is_dtensor(p):
-                    full = whole(p)
-                    full.grad = whole(p.grad)
+                if p in wholes:
+                    full, grad = wholes[p]
+                    full.grad = grad
                     if p in self.state:
                         self.state[full] = self.state.pop(p)
                     group["params"][i] = full
                     swaps.append((group, i, p, full))
+                elif p.grad is not None:
+                    hidden.append((p, p.grad))
+                    p.grad = None
         try:
-            return super().step(closure)
+            super().step()
         finally:
             # Restored even on error: param_groups and state are keyed by the real parameters.
+            for p, grad in hidden:
+                p.grad = grad
+            self._stepped = {}
             for group, i, p, full in swaps:
                 group["params"][i] = p
                 if full in self.state:
                     self.state[p] = self.state.pop(full)
-                write_whole_(p, full.detach())
+                full.grad = None
+                self._stepped[p] = full.detach()
 
     @classmethod
     def state_bytes(cls, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:

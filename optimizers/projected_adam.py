@@ -75,11 +75,13 @@ host synchronisation per step for all parameters together.
 
 FSDP2 (parameters and gradients are DTensors sharded across ranks): non-projected parameters
 run AdamW on their local shards (moments sharded like the parameter) when the moment storage is
-element-wise. A projected parameter's step runs on the whole matrix: every rank all-gathers the
-full gradient and weight, computes the same basis and update as a single process would (Fira's
-and APOLLO's norms over the whole matrix), and keeps its own shard; see
-`ProjectedAdam._whole_step_sharded` for the memory and communication cost. Its projected state is
-replicated on every rank.
+element-wise. A projected parameter's step (and, for moments that are not element-wise, a dense
+one) runs on the whole matrix, once, on the parameter's owner rank (``whole_matrix="owner"``, the
+default; optimizers/_owners.py): the owner receives the row shards of G and W, computes the basis
+and the update exactly as a single process would (Fira's and APOLLO's norms over the whole
+matrix), keeps that parameter's state (other ranks hold none for it) and sends every rank its rows
+of the new W. ``whole_matrix="gather"`` instead all-gathers G and W on every rank, which repeats
+the step N times and keeps the state whole on every rank (`ProjectedAdam._whole_step_sharded`).
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from optimizers import projection as proj
+from optimizers._owners import DEFAULT_BUCKET_BYTES, WHOLE_MATRIX_PATHS, OwnerRanks, whole_cost
 from optimizers._sharded import is_dtensor as _is_dtensor
 from optimizers._sharded import local, whole, write_whole_
 
@@ -283,8 +286,9 @@ class AdamMoments:
     def update(
         self, state: dict[str, Any], x: torch.Tensor, group: dict[str, Any]
     ) -> tuple[torch.Tensor, float]:
-        """Advances M and V with x at step ``state[STEP]`` (already counted); returns (N, eta_t)."""
-        return adam_update(state[EXP_AVG], state[EXP_AVG_SQ], x, state[STEP], group, self.fused)
+        """Advances M and V with x at step ``state[STEP]`` (already counted); returns (N, eta_t).
+        FSDP2-sharded (DTensor) moments advance as their local shards."""
+        return adam_update(local(state[EXP_AVG]), local(state[EXP_AVG_SQ]), local(x), state[STEP], group, self.fused)
 
     @classmethod
     def nbytes(cls, numel: int, dtype: torch.dtype, group: dict[str, Any]) -> int:
@@ -541,6 +545,9 @@ class ProjectedAdam(torch.optim.Optimizer):
         adam_convention: "reference" (galore-torch numerics) or "torch" (torch.optim.AdamW numerics).
         fused: torch's fused Adam kernel: None where it applies, True always (an error where it
             cannot run), False never (see `adam_update`).
+        whole_matrix: under FSDP2, where a sharded parameter's whole-matrix step runs: "owner"
+            (once, on its owner rank, which alone holds its state) or "gather" (on every rank).
+        bucket_bytes: "owner": the most whole W and G bytes one owner gathers per collective.
         **options: defaults for projected groups' keys (`PROJECTION_DEFAULTS`), e.g.
             ``basis="svd"``, or for a method's extra every-group keys (`ADAM_DEFAULTS`); a
             group's own value wins.
@@ -594,8 +601,15 @@ class ProjectedAdam(torch.optim.Optimizer):
         correct_bias: bool | None = None,
         adam_convention: str | None = None,
         fused: bool | None = None,
+        whole_matrix: str = "owner",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         **options: Any,
     ) -> None:
+        if whole_matrix not in WHOLE_MATRIX_PATHS:
+            raise ValueError(f"whole_matrix must be one of {WHOLE_MATRIX_PATHS}, got {whole_matrix!r}")
+        self.whole_matrix = whole_matrix
+        self.bucket_bytes = int(bucket_bytes)
+        self._owners: OwnerRanks | None = None
         given = {
             "lr": lr,
             "betas": betas,
@@ -815,21 +829,80 @@ class ProjectedAdam(torch.optim.Optimizer):
         if not entries:
             return loss
         live = _nonzero_flags([p.grad for _, p, _ in entries])
+        owned: list[tuple[dict[str, Any], torch.Tensor, int]] = []
         for (group, p, idx), nonzero in zip(entries, live):
+            whole_step = _is_dtensor(p) and (group["project"] or not self.moments.ELEMENTWISE)
+            if whole_step and self.whole_matrix == "owner":
+                if nonzero:
+                    owned.append((group, p, idx))
+                elif not self.state[p] and self.holds_state(p):
+                    # A zero-gradient (dummy) step allocates the owner's state and nothing else.
+                    shaped = torch.empty((), dtype=p.dtype, device=local(p).device).expand(p.shape)
+                    self._init_state(shaped, group, self.state[p], idx)
+                continue
             state = self.state[p]
             if not state:
                 self._init_state(p, group, state, idx)
             if not nonzero:
                 continue
-            if not _is_dtensor(p):
-                (self._projected_step if group["project"] else self._dense_step)(p, p.grad, state, group)
-            elif group["project"]:
-                self._whole_step_sharded(p, state, group, self._projected_step)
-            elif not self.moments.ELEMENTWISE:
-                self._whole_step_sharded(p, state, group, self._dense_step)
-            else:
-                self._dense_step(p, p.grad, state, group)
+            step_fn = self._projected_step if group["project"] else self._dense_step
+            if whole_step:
+                self._whole_step_sharded(p, state, group, step_fn)
+            else:  # an FSDP2 shard steps as the plain local tensors: the fused kernel applies
+                step_fn(local(p), local(p.grad), state, group)
+        if owned:
+            self._owner_steps(owned)
         return loss
+
+    # ------------------------------------------------------------------ FSDP2
+
+    def _whole_step_params(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+        """The sharded parameters whose step needs the whole matrix, in the optimizer's order."""
+        return [
+            (p, g)
+            for g in self.param_groups
+            for p in g["params"]
+            if _is_dtensor(p) and (g["project"] or not self.moments.ELEMENTWISE)
+        ]
+
+    def owner_ranks(self) -> OwnerRanks | None:
+        """The owner placement of the sharded whole-matrix parameters (None when there are none,
+        or with ``whole_matrix="gather"``), made on first use from the global shapes."""
+        if self.whole_matrix != "owner":
+            return None
+        if self._owners is None:
+            items = self._whole_step_params()
+            if not items:
+                return None
+            self._owners = OwnerRanks(
+                [p for p, _ in items],
+                [whole_cost(tuple(p.shape), g) for p, g in items],
+                [self.state_bytes(tuple(p.shape), g, p.dtype) for p, g in items],
+                self.bucket_bytes,
+            )
+        return self._owners
+
+    def holds_state(self, p: torch.Tensor) -> bool:
+        """Whether this process holds `p`'s state: False only for a parameter another rank owns."""
+        owners = self.owner_ranks()
+        return owners is None or owners.owns(p)
+
+    def _owner_steps(self, entries: list[tuple[dict[str, Any], torch.Tensor, int]]) -> None:
+        """The whole-matrix steps of sharded parameters, each once on its owner rank (a collective:
+        every rank calls it with the same `entries`, the parameters with a nonzero gradient)."""
+        owners = self.owner_ranks()
+        assert owners is not None
+        where = {id(p): (group, idx) for group, p, idx in entries}
+        for bucket in owners.buckets([p for _, p, _ in entries]):
+            wholes = owners.gather(bucket)
+            for p, (weight, grad) in wholes.items():
+                group, idx = where[id(p)]
+                state = self.state[p]
+                if not state:
+                    self._init_state(weight, group, state, idx)  # whole-shaped: plain tensors
+                step_fn = self._projected_step if group["project"] else self._dense_step
+                step_fn(weight, grad, state, group)
+            owners.scatter(bucket, {p: weight for p, (weight, _) in wholes.items()})
 
     def _whole_step_sharded(
         self,
@@ -838,8 +911,9 @@ class ProjectedAdam(torch.optim.Optimizer):
         group: dict[str, Any],
         step_fn: Callable[[torch.Tensor, torch.Tensor, dict[str, Any], dict[str, Any]], None],
     ) -> None:
-        """`step_fn` (the projected step, or the dense one of non-element-wise moments) of an
-        FSDP2-sharded (DTensor) weight, run on the whole matrix.
+        """``whole_matrix="gather"``: `step_fn` (the projected step, or the dense one of
+        non-element-wise moments) of an FSDP2-sharded (DTensor) weight, run on the whole matrix
+        on every rank.
 
         The basis needs the whole gradient, and Fira's and APOLLO's norms are over the whole
         matrix, so every rank all-gathers the full gradient G and the full weight W, runs exactly

@@ -63,10 +63,10 @@ def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].float() - b[k].float()).norm() / b[k].float().norm().clamp_min(1e-12)) for k in a)
 
 
-def run_worker_pair(worker_source: str, out: Path, tail: list[str]) -> None:
-    """Writes `worker_source` to out/worker.py and runs it as 2 torchrun processes ("two") and,
-    at the same time, as one plain process ("one"), both with argv [repo root, out, mode, *tail]
-    and one thread each; fails the test with the stderr tail of a run that did not succeed."""
+def run_worker_pair(worker_source: str, out: Path, tail: list[str], nproc: int = 2) -> None:
+    """Writes `worker_source` to out/worker.py and runs it as `nproc` torchrun processes ("two")
+    and, at the same time, as one plain process ("one"), both with argv [repo root, out, mode,
+    *tail] and one thread each; fails the test with the stderr tail of a run that did not succeed."""
     root = Path(__file__).resolve().parent.parent
     worker = out / "worker.py"
     worker.write_text(worker_source)
@@ -78,7 +78,7 @@ def run_worker_pair(worker_source: str, out: Path, tail: list[str]) -> None:
         "-m",
         "torch.distributed.run",
         "--nproc_per_node",
-        "2",
+        str(nproc),
         "--master_port",
         str(free_port()),
     ]

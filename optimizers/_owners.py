@@ -1,0 +1,292 @@
+"""Owner ranks: whole-matrix optimizer math on FSDP2-sharded parameters, once per matrix.
+
+Some optimizer steps need a parameter's whole matrix, which FSDP2 splits by rows over the ranks:
+a projection basis is computed from the whole gradient, Fira's and APOLLO's norms are over the
+whole matrix, 8-bit moments are quantised in blocks of the flattened tensor, and an
+orthogonalisation (Muon, SWAN) acts on the whole matrix. Gathering every such matrix on every
+rank (the "gather" path) repeats the same math N times and keeps the state whole on every rank,
+so per-rank optimizer memory stops shrinking with N. Here each such parameter has one owner rank
+instead:
+
+1. Placement (`assign_owners`), once, from the global shapes: parameters in decreasing order of
+   cost (``m n k`` for a projected matrix, whose basis costs that, ``numel`` for a dense block
+   step; `whole_cost`) each go to the least cost-loaded rank among those whose optimizer state
+   would stay within ``total / N + largest single state``. The least state-loaded rank always
+   qualifies (it holds at most ``(total - s) / N`` before a parameter of state ``s`` is added:
+   Graham's list-scheduling argument), so no rank ever holds more than that bound, and among the
+   ranks that keep it the compute is balanced.
+2. Each step, per bucket of parameters (`OwnerRanks.buckets`, at most ``bucket_bytes`` of whole
+   W and G per owner, at least one parameter): one all-to-all sends every rank's row shard of
+   the weight W and the gradient G to the owner (`OwnerRanks.gather`), the owner runs the
+   single-process step on the whole tensors and keeps that parameter's state, and one all-to-all
+   returns to each rank its rows of the new W (`OwnerRanks.scatter`).
+
+The whole W travels (not only G) so that the owner's in-place update, weight decay and fused
+``addmm_`` included, is bitwise the single-process one; each rank then keeps exactly the rows a
+single process would have written. Per step and projected m x n weight with itemsize s, the
+owner receives ``2 (N - 1) / N m n s`` bytes and every other rank ``m n s / N``: per rank about
+``3 (N - 1) / N^2`` of the gather path's ``2 (N - 1) / N`` per matrix. Transient memory: on the
+owner the whole W and G of its parameters in the bucket plus the receive buffer of the same size.
+
+Layout: FSDP2's, a dim-0 ``Shard`` over a 1-D device mesh; rank i holds rows
+``[i c, min((i + 1) c, m))`` with ``c = ceil(m / N)`` (torch.chunk's split, `shard_rows`).
+`COMM` counts the collectives and the bytes each rank sends and receives through them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from optimizers._sharded import local
+
+DEFAULT_BUCKET_BYTES = 1 << 26
+"""Bytes of whole W and G one owner gathers per bucket (64 MiB; a larger parameter goes alone)."""
+
+WHOLE_MATRIX_PATHS: tuple[str, ...] = ("owner", "gather")
+"""How a sharded parameter's whole-matrix step runs: on its owner rank, or gathered on every rank."""
+
+
+def shard_rows(rows: int, world: int) -> list[int]:
+    """Rows of a `rows`-row tensor on each of `world` ranks under FSDP2 (torch.chunk's split:
+    ceil(rows / world) each until the rows run out, then 0)."""
+    c = -(-rows // world) if rows else 0
+    return [max(0, min(c, rows - i * c)) for i in range(world)]
+
+
+def whole_cost(shape: Sequence[int], group: dict[str, Any]) -> int:
+    """Compute cost of one whole-matrix step: ``m n k`` (k = min(r, m, n)) for a projected m x n
+    matrix (a group with ``rank``; its basis and projections cost that), ``numel`` otherwise."""
+    numel = math.prod(shape)
+    projected = group.get("project", group.get("rank") is not None)
+    if projected and len(shape) == 2:
+        return numel * min(int(group["rank"]), *shape)
+    return numel
+
+
+def assign_owners(items: Sequence[tuple[int, int]], world: int) -> list[int]:
+    """Owner rank of each item ``(cost, state_bytes)``, in the items' order (see module docstring).
+
+    Items go in order of decreasing (cost, state bytes), ties in their given order, each to the
+    least cost-loaded rank (ties: the lowest rank) among those where it keeps the rank's state
+    within ``sum(state) / world + max(state)``. Items with equal (cost, state) are interchangeable,
+    so every rank's totals depend only on the multiset of items, not on their order.
+    """
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    if not items:
+        return []
+    states = [s for _, s in items]
+    bound = sum(states) / world + max(states)
+    cost_load, state_load = [0] * world, [0] * world
+    owners = [0] * len(items)
+    for i in sorted(range(len(items)), key=lambda i: (-items[i][0], -items[i][1], i)):
+        cost, state = items[i]
+        fits = [r for r in range(world) if state_load[r] + state <= bound]
+        r = min(fits, key=lambda r: (cost_load[r], r))
+        owners[i] = r
+        cost_load[r] += cost
+        state_load[r] += state
+    return owners
+
+
+@dataclass
+class CommCounter:
+    """Collectives run by the owner exchange on this process, and the bytes it sent to and
+    received from other ranks through them (its own segment excluded)."""
+
+    collectives: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    def reset(self) -> None:
+        self.collectives = self.bytes_sent = self.bytes_received = 0
+
+
+COMM = CommCounter()
+"""This process's counter (benchmarks/fsdp2_optimizer.py reads and resets it)."""
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's storage as a flat uint8 view (any dtype)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+class OwnerRanks:
+    """The owner placement of one optimizer's whole-matrix parameters, and their exchange.
+
+    Args:
+        params: the FSDP2 (DTensor, dim-0 ``Shard`` on a 1-D mesh) parameters that step whole, in
+            the optimizer's order.
+        costs: each one's `whole_cost`.
+        states: each one's optimizer-state bytes (the method's formula).
+        bucket_bytes: the most whole W and G bytes one owner gathers per bucket.
+
+    Raises:
+        ValueError: a parameter that is not a dim-0 row shard over one 1-D mesh.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        costs: Sequence[int],
+        states: Sequence[int],
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        from torch.distributed.tensor import Shard
+
+        if not params:
+            raise ValueError("OwnerRanks needs at least one parameter")
+        mesh = params[0].device_mesh
+        for p in params:
+            if p.device_mesh is not mesh and p.device_mesh != mesh:
+                raise ValueError("owner-rank steps need every parameter on one device mesh")
+            if mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+                raise ValueError(
+                    f"owner-rank steps need FSDP2's dim-0 row shards on a 1-D mesh, got "
+                    f"{tuple(p.placements)} on a {mesh.ndim}-D mesh (use whole_matrix='gather')"
+                )
+        self.group = mesh.get_group()
+        self.world = mesh.size()
+        self.rank = mesh.get_local_rank()
+        self.bucket_bytes = int(bucket_bytes)
+        owners = assign_owners(list(zip(costs, states)), self.world)
+        self._owner = {id(p): o for p, o in zip(params, owners)}
+        self._order = {id(p): i for i, p in enumerate(params)}
+        self.owners = owners
+
+    def __contains__(self, p: torch.Tensor) -> bool:
+        return id(p) in self._owner
+
+    def owner(self, p: torch.Tensor) -> int:
+        """The rank that steps `p` and holds its state."""
+        return self._owner[id(p)]
+
+    def owns(self, p: torch.Tensor) -> bool:
+        """Whether this rank steps `p` (True for a parameter outside the placement)."""
+        return self._owner.get(id(p), self.rank) == self.rank
+
+    def buckets(self, params: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """`params` in placement order, split so that no owner gathers more than ``bucket_bytes``
+        of whole W and G per bucket (a parameter larger than that goes alone)."""
+        out: list[list[torch.Tensor]] = []
+        load: dict[int, int] = {}
+        for p in sorted(params, key=lambda p: self._order[id(p)]):
+            size = 2 * p.numel() * p.dtype.itemsize
+            o = self.owner(p)
+            if not out or (load.get(o, 0) and load[o] + size > self.bucket_bytes):
+                out.append([])
+                load = {}
+            out[-1].append(p)
+            load[o] = load.get(o, 0) + size
+        return out
+
+    def _rows(self, p: torch.Tensor) -> list[int]:
+        return shard_rows(p.shape[0], self.world)
+
+    def _exchange(self, send: list[torch.Tensor], recv_sizes: list[int], device: torch.device) -> torch.Tensor:
+        """One all-to-all: `send[d]` (uint8) goes to rank d; returns what came in, by source rank."""
+        import torch.distributed as dist
+
+        sizes = [t.numel() for t in send]
+        flat = torch.cat(send) if send else torch.empty(0, dtype=torch.uint8, device=device)
+        out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
+        dist.all_to_all_single(out, flat, recv_sizes, sizes, group=self.group)
+        COMM.collectives += 1
+        COMM.bytes_sent += sum(sizes) - sizes[self.rank]
+        COMM.bytes_received += sum(recv_sizes) - recv_sizes[self.rank]
+        return out
+
+    def gather(self, bucket: Sequence[torch.Tensor]) -> dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Whole (W, G) of the parameters in `bucket` this rank owns, from every rank's row shards
+        (a collective: every rank calls it with the same bucket)."""
+        device = local(bucket[0]).device
+        send: list[list[torch.Tensor]] = [[] for _ in range(self.world)]
+        for p in bucket:
+            w, g = local(p), local(p.grad)
+            if w.shape[0] != self._rows(p)[self.rank] or g.shape != w.shape:
+                raise RuntimeError(
+                    f"a {tuple(p.shape)} parameter's local rows {tuple(w.shape)} (gradient {tuple(g.shape)}) "
+                    f"are not rank {self.rank}'s torch.chunk rows {self._rows(p)[self.rank]}"
+                )
+            send[self.owner(p)] += [_bytes(w), _bytes(g)]
+        mine = [p for p in bucket if self.owner(p) == self.rank]
+
+        def rows_of(t: torch.Tensor, s: int) -> int:  # bytes of rank s's rows of whole t
+            return shard_rows(t.shape[0], self.world)[s] * _row_bytes(t)
+
+        out = {
+            p: (
+                torch.empty(p.shape, dtype=p.dtype, device=device),
+                torch.empty(p.grad.shape, dtype=p.grad.dtype, device=device),
+            )
+            for p in mine
+        }
+        recv = [sum(rows_of(w, s) + rows_of(g, s) for w, g in out.values()) for s in range(self.world)]
+        data = self._exchange([_cat(parts, device) for parts in send], recv, device)
+        offset = 0
+        for s in range(self.world):
+            for p in mine:
+                for whole in out[p]:
+                    row = _row_bytes(whole)
+                    start, n = sum(shard_rows(whole.shape[0], self.world)[:s]) * row, rows_of(whole, s)
+                    _bytes_view(whole)[start : start + n].copy_(data[offset : offset + n])
+                    offset += n
+        return out
+
+    def scatter(self, bucket: Sequence[torch.Tensor], new: dict[torch.Tensor, torch.Tensor]) -> None:
+        """Every rank's rows of the whole new W that the owners computed (`new`, keyed by the
+        parameter, on the owner) written into each parameter's local shard (a collective)."""
+        device = local(bucket[0]).device
+        send: list[list[torch.Tensor]] = [[] for _ in range(self.world)]
+        for p in bucket:
+            if self.owner(p) != self.rank:
+                continue
+            rows, flat, row_bytes = self._rows(p), _bytes(new[p]), _row_bytes(new[p])
+            for d in range(self.world):
+                start = sum(rows[:d]) * row_bytes
+                send[d].append(flat[start : start + rows[d] * row_bytes])
+        recv = [0] * self.world
+        for p in bucket:
+            recv[self.owner(p)] += local(p).numel() * p.dtype.itemsize
+        data = self._exchange([_cat(parts, device) for parts in send], recv, device)
+        starts = [sum(recv[:s]) for s in range(self.world)]
+        for p in bucket:
+            o = self.owner(p)
+            shard = local(p)
+            n = shard.numel() * p.dtype.itemsize
+            if n:
+                _bytes_view(shard).copy_(data[starts[o] : starts[o] + n])
+            starts[o] += n
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    """Bytes of one dim-0 row of `t`."""
+    return math.prod(t.shape[1:]) * t.dtype.itemsize
+
+
+def _cat(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+
+
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's own storage as a flat uint8 view (writes reach `t`)."""
+    if not t.is_contiguous():
+        raise ValueError("owner exchange writes into contiguous tensors only")
+    return t.reshape(-1).view(torch.uint8)
+
+
+__all__ = [
+    "COMM",
+    "DEFAULT_BUCKET_BYTES",
+    "WHOLE_MATRIX_PATHS",
+    "CommCounter",
+    "OwnerRanks",
+    "assign_owners",
+    "shard_rows",
+    "whole_cost",
+]
