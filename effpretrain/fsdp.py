@@ -236,7 +236,8 @@ def save_sharded(folder: Path, model: torch.nn.Module, opt: torch.optim.Optimize
         dist.all_gather_object(every, skeleton["state"])
         merged: dict[str, Any] = {}
         for state in every:
-            merged.update(state)  # an owner's entries; sharded and replicated ones are identical
+            for name, entry in state.items():  # an owner's entries; sharded and replicated ones agree
+                merged.setdefault(name, {}).update(entry)
         skeleton["state"] = {k: merged[k] for k in sorted(merged, key=_flat_order(by_name))}
     return skeleton
 

@@ -230,7 +230,9 @@ class _Tally:
             parts = self.chunks(shape) if self.shard > 1 else [shape]
             for i, part in enumerate(parts):
                 self.state_ranks[i] += self.method.state_bytes(part, group, self.dtype)
-                self.shared_ranks[i] = max(self.shared_ranks[i], self.method.shared_state_bytes(part, group, self.dtype))
+                self.shared_ranks[i] = max(
+                    self.shared_ranks[i], self.method.shared_state_bytes(part, group, self.dtype)
+                )
         mine = shape if whole else self.mine(shape)
         step = self.method.step_transient_bytes(mine, group, self.dtype)
         if whole and self.shard > 1:
@@ -862,6 +864,11 @@ def format_table(est: Estimate, top: int = 4) -> str:
     )
     lines = [head, f"  params {est.params:,}  trainable {est.trainable_params:,}"]
     lines += [f"  {name:<24}{b / 1e9:>10.3f} GB  ({b:,} B)" for name, b in rows]
+    ranks = d.get("optimizer_state_per_rank", [])
+    if len(ranks) > 1 and min(ranks) != max(ranks):
+        lines.insert(
+            5, f"    (the largest rank's; every rank {min(ranks) / 1e9:.3f}-{max(ranks) / 1e9:.3f} GB)"
+        )
     terms = sorted(d.get("peak_terms", {}).items(), key=lambda kv: -kv[1])[:top]
     lines.append(f"  peak at {d.get('peak_moment', '?')} ({d.get('peak_phase', '?')}), largest terms:")
     lines += [f"    {name:<22}{b / 1e9:>10.3f} GB" for name, b in terms]

@@ -30,19 +30,19 @@ owner the whole W and G of its parameters in the bucket plus the receive buffer 
 
 Layout: FSDP2's, a dim-0 ``Shard`` over a 1-D device mesh; rank i holds rows
 ``[i c, min((i + 1) c, m))`` with ``c = ceil(m / N)`` (torch.chunk's split, `shard_rows`).
-`COMM` counts the collectives and the bytes each rank sends and receives through them.
+`COMM` (optimizers/_sharded.py) counts the collectives and the bytes each rank sends and receives
+through them, as it counts the gather path's all-gathers.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from optimizers._sharded import local
+from optimizers._sharded import COMM, CommCounter, local
 
 DEFAULT_BUCKET_BYTES = 1 << 26
 """Bytes of whole W and G one owner gathers per bucket (64 MiB; a larger parameter goes alone)."""
@@ -92,23 +92,6 @@ def assign_owners(items: Sequence[tuple[int, int]], world: int) -> list[int]:
         cost_load[r] += cost
         state_load[r] += state
     return owners
-
-
-@dataclass
-class CommCounter:
-    """Collectives run by the owner exchange on this process, and the bytes it sent to and
-    received from other ranks through them (its own segment excluded)."""
-
-    collectives: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-
-    def reset(self) -> None:
-        self.collectives = self.bytes_sent = self.bytes_received = 0
-
-
-COMM = CommCounter()
-"""This process's counter (benchmarks/fsdp2_optimizer.py reads and resets it)."""
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -188,8 +171,11 @@ class OwnerRanks:
     def _rows(self, p: torch.Tensor) -> list[int]:
         return shard_rows(p.shape[0], self.world)
 
-    def _exchange(self, send: list[torch.Tensor], recv_sizes: list[int], device: torch.device) -> torch.Tensor:
-        """One all-to-all: `send[d]` (uint8) goes to rank d; returns what came in, by source rank."""
+    def _exchange(
+        self, send: list[torch.Tensor], recv_sizes: list[int], device: torch.device
+    ) -> torch.Tensor:
+        """One all-to-all (several ranks): `send[d]` (uint8) goes to rank d; returns what came in,
+        by source rank."""
         import torch.distributed as dist
 
         sizes = [t.numel() for t in send]
@@ -203,7 +189,10 @@ class OwnerRanks:
 
     def gather(self, bucket: Sequence[torch.Tensor]) -> dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Whole (W, G) of the parameters in `bucket` this rank owns, from every rank's row shards
-        (a collective: every rank calls it with the same bucket)."""
+        (a collective: every rank calls it with the same bucket). On one rank the local tensors
+        are the whole ones: no copy."""
+        if self.world == 1:
+            return {p: (local(p), local(p.grad)) for p in bucket}
         device = local(bucket[0]).device
         send: list[list[torch.Tensor]] = [[] for _ in range(self.world)]
         for p in bucket:
@@ -241,6 +230,11 @@ class OwnerRanks:
     def scatter(self, bucket: Sequence[torch.Tensor], new: dict[torch.Tensor, torch.Tensor]) -> None:
         """Every rank's rows of the whole new W that the owners computed (`new`, keyed by the
         parameter, on the owner) written into each parameter's local shard (a collective)."""
+        if self.world == 1:
+            for p in bucket:
+                if new[p] is not local(p) and new[p].data_ptr() != local(p).data_ptr():
+                    local(p).copy_(new[p])
+            return
         device = local(bucket[0]).device
         send: list[list[torch.Tensor]] = [[] for _ in range(self.world)]
         for p in bucket:

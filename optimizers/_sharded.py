@@ -9,6 +9,7 @@ from one tensor or from shards added by an all-reduce.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -76,9 +77,36 @@ def whole_max_abs(g: torch.Tensor, group: Any = None) -> torch.Tensor:
     return m
 
 
+@dataclass
+class CommCounter:
+    """Collectives that move whole-matrix data for the optimizers (`whole`'s all-gathers, the
+    owner ranks' all-to-alls) on this process, and the bytes it sent to and received from other
+    ranks through them (its own part excluded). benchmarks/fsdp2_optimizer.py reads it."""
+
+    collectives: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    def reset(self) -> None:
+        self.collectives = self.bytes_sent = self.bytes_received = 0
+
+
+COMM = CommCounter()
+"""This process's counter."""
+
+
 def whole(t: torch.Tensor) -> torch.Tensor:
-    """The full tensor: all-gathered for a DTensor (a collective), `t` itself otherwise."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    """The full tensor: all-gathered for a DTensor (a collective, counted in `COMM`), `t` itself
+    otherwise."""
+    if not hasattr(t, "full_tensor"):
+        return t
+    world = t.device_mesh.size()
+    if world > 1:
+        mine = t.to_local().numel() * t.dtype.itemsize
+        COMM.collectives += 1
+        COMM.bytes_received += t.numel() * t.dtype.itemsize - mine
+        COMM.bytes_sent += mine * (world - 1)
+    return t.full_tensor()
 
 
 def write_whole_(t: torch.Tensor, new: torch.Tensor) -> None:

@@ -288,7 +288,9 @@ class AdamMoments:
     ) -> tuple[torch.Tensor, float]:
         """Advances M and V with x at step ``state[STEP]`` (already counted); returns (N, eta_t).
         FSDP2-sharded (DTensor) moments advance as their local shards."""
-        return adam_update(local(state[EXP_AVG]), local(state[EXP_AVG_SQ]), local(x), state[STEP], group, self.fused)
+        return adam_update(
+            local(state[EXP_AVG]), local(state[EXP_AVG_SQ]), local(x), state[STEP], group, self.fused
+        )
 
     @classmethod
     def nbytes(cls, numel: int, dtype: torch.dtype, group: dict[str, Any]) -> int:
@@ -835,7 +837,7 @@ class ProjectedAdam(torch.optim.Optimizer):
             if whole_step and self.whole_matrix == "owner":
                 if nonzero:
                     owned.append((group, p, idx))
-                elif not self.state[p] and self.holds_state(p):
+                elif not self.state.get(p) and self.holds_state(p):
                     # A zero-gradient (dummy) step allocates the owner's state and nothing else.
                     shaped = torch.empty((), dtype=p.dtype, device=local(p).device).expand(p.shape)
                     self._init_state(shaped, group, self.state[p], idx)

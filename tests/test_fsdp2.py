@@ -134,9 +134,15 @@ def _check_per_rank_state(many: dict, one: dict, world: int) -> None:
     ranks = many["optimizer_state_bytes_per_rank"]
     assert len(ranks) == world and ranks[0] == many["optimizer_state_bytes"]
     assert ranks == many["estimated"]["optimizer_state_per_rank"], "per-rank estimate"
+    # The measured steps' tensor accounting (memory_measure) sees the same bytes on every rank.
+    tracked = [r["max"]["optimizer_state"] for r in many["memory_measured"]["ranks"]]
+    assert tracked == ranks
     assert many["estimate_matches_measured"]["optimizer_state"]
     assert max(ranks) == many["estimated"]["optimizer_state"]
-    assert max(ranks) < (1 / world + 0.25) * one["optimizer_state_bytes"], (ranks, one["optimizer_state_bytes"])
+    assert max(ranks) < (1 / world + 0.25) * one["optimizer_state_bytes"], (
+        ranks,
+        one["optimizer_state_bytes"],
+    )
 
 
 def test_global_norm_clipping_over_shards(runs):

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import optimizers
 from effpretrain.memory import (
     PRECISIONS,
     checkpointed_layers,
@@ -130,18 +131,20 @@ def test_galore_state_formula_by_hand():
 
 
 def test_fsdp2_per_rank_bytes_by_hand():
-    """llama_1b, GaLore r512, 8 ranks, FSDP2, bf16, on rank 0 (the largest share): weights, grads
-    and the full-rank AdamW state of embeddings/head/norms are sharded by rows, torch.chunk's
-    ceil(rows / 8) on rank 0; each projected matrix's basis + low-rank moments stay whole on every
-    rank."""
+    """llama_1b, GaLore r512, 8 ranks, FSDP2, bf16: weights, grads and the full-rank AdamW state of
+    embeddings/head/norms are sharded by rows (torch.chunk: ceil(rows / 8) on the first ranks);
+    each projected matrix's basis + low-rank moments live on one owner rank. Its 24 layers x 7
+    matrices are 96 attention matrices (state 3 h r each) and 72 MLP matrices (2 i r + h r): 12
+    and 9 per rank, so every rank holds an eighth of the projected state."""
     from effpretrain.config import OptimConfig
 
     h, i, r, V, L, W = 2048, 5461, 512, 32000, 24, 8
-    c = lambda rows: -(-rows // W)  # noqa: E731 - rank 0's rows
+    rows = lambda n, k: max(0, min(-(-n // W), n - k * -(-n // W)))  # noqa: E731 - rank k's rows
+    c = lambda n: rows(n, 0)  # noqa: E731 - rank 0's rows
     # embed + head (V x h), per layer q/k/v/o (h x h), gate/up (i x h), down (h x i), 2 norms, final norm
     mine = 2 * c(V) * h + L * (4 * c(h) * h + 2 * c(i) * h + c(h) * i + 2 * c(h)) + c(h)
     proj_state = L * (4 * (h * r + 2 * r * h) + 3 * (h * r + 2 * r * i))  # elements, bf16
-    dense_mine = 2 * (2 * c(V) * h + (2 * L + 1) * c(h))  # two moments
+    dense = [2 * (2 * rows(V, k) * h + (2 * L + 1) * rows(h, k)) for k in range(W)]  # two moments
     est = estimate(
         "llama_1b",
         "galore",
@@ -151,7 +154,33 @@ def test_fsdp2_per_rank_bytes_by_hand():
         sharding="fsdp2",
     )
     assert est.weights == est.grads == 2 * mine
-    assert est.optimizer_state == 2 * dense_mine + 2 * proj_state
+    per_rank = est.detail["optimizer_state_per_rank"]
+    assert per_rank == [2 * d + 2 * proj_state // W for d in dense]
+    assert est.optimizer_state == max(per_rank) <= 0.30e9  # was 1.6e9 with the state on every rank
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("method", ["galore", "apollo_mini", "galore_8bit", "adamw_8bit"])
+def test_fsdp2_state_per_rank_shrinks_with_ranks(method, world):
+    """Whole-matrix state is placed on owner ranks: no rank holds more than total / N plus the
+    largest single parameter's state, for the projected and the 8-bit methods alike."""
+    from effpretrain.config import OptimConfig
+
+    cfg = OptimConfig(name=method, rank=512)
+    one = estimate("llama_1b", method, dtype="bf16-pure", optim_cfg=cfg)
+    many = estimate("llama_1b", method, dtype="bf16-pure", optim_cfg=cfg, world_size=world, sharding="fsdp2")
+    from effpretrain.memory import model_param_shapes, projection_group
+
+    spec, group = (
+        optimizers.METHODS[method],
+        projection_group(cfg) if optimizers.METHODS[method].projects else {},
+    )
+    largest = max(
+        spec.state_bytes(s.shape, group if s.linear and spec.projects else {}, torch.bfloat16)
+        for s in model_param_shapes("llama_1b")
+    )
+    assert max(many.detail["optimizer_state_per_rank"]) <= one.optimizer_state / world + largest
+    assert sum(many.detail["optimizer_state_per_rank"]) <= one.optimizer_state + world * 2 * 4 * 256
 
 
 # ----------------------------------------------------------------------------------------------

@@ -69,7 +69,10 @@ def test_placement_bound_holds_for_random_items_and_totals_ignore_order():
     rng = random.Random(0)
     for trial in range(200):
         world = rng.randint(1, 9)
-        items = [(rng.choice([1, 10, 10, 100, 1000]), rng.choice([8, 8, 64, 512])) for _ in range(rng.randint(1, 40))]
+        items = [
+            (rng.choice([1, 10, 10, 100, 1000]), rng.choice([8, 8, 64, 512]))
+            for _ in range(rng.randint(1, 40))
+        ]
         owners = assign_owners(items, world)
         load = [0] * world
         for (_, s), r in zip(items, owners):
@@ -183,7 +186,8 @@ WORKER = textwrap.dedent(
         refreshes = getattr(opt, "refresh_count", 0)
         tallies = [None] * world
         dist.all_gather_object(tallies, {"state": state, "refreshes": refreshes,
-                                         "held": sum(1 for s in opt.state.values() if s)})
+                                         "held": sum(1 for s in opt.state.values() if s),
+                                         "empty": sum(1 for s in opt.state.values() if not s)})
         if rank == 0:
             ref_mod, ref_opt = run(name, False, range(1, STEPS + 1))
             ref = whole_weights(ref_mod)
@@ -220,7 +224,9 @@ WORKER = textwrap.dedent(
 def _run(world: int, out: Path) -> dict:
     worker = out / "worker.py"
     worker.write_text(WORKER)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    )
     from distributed_helpers import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world)]
@@ -264,6 +270,7 @@ def test_each_rank_holds_its_share_of_the_state_and_bases_are_computed_once(name
         assert sum(states) - r["one_state"] == (world - 1) * 2 * 4 * 256, states
     assert max(states) <= r["one_state"] / world + r["largest_single"] + 2 * 4 * 256
     assert all(t["held"] for t in r["ranks"])  # every rank owns something
+    assert not any(t["empty"] for t in r["ranks"])  # and has no entry for what others own
     refreshes = [t["refreshes"] for t in r["ranks"]]
     assert sum(refreshes) == r["one_refreshes"], refreshes
     # Buckets: everything fits one bucket here, so a step is two all-to-alls (W and G in, W out).
