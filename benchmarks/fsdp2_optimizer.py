@@ -26,7 +26,6 @@ two paths at the same N, not across N. Writes ``benchmarks/results/fsdp2_optimiz
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import statistics
@@ -187,7 +186,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     import tempfile
 
-    from effpretrain.reporting import cpu_description, git_commit
+    from effpretrain.reporting import provenance
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--methods", nargs="+", default=["galore", "apollo", "adamw_8bit"])
@@ -206,10 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         if r["estimated_state_per_rank"] is not None and r["state_per_rank"] != r["estimated_state_per_rank"]
     ]
     result = {
-        "commit": git_commit(),
-        "machine": cpu_description(),
-        "torch": torch.__version__,
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        **provenance(),
         "preset": PRESET,
         "rank": RANK,
         "steps": args.steps,

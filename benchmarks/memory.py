@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
 import json
 import sys
 import time
@@ -43,7 +42,7 @@ from effpretrain import loss as loss_mod
 from effpretrain import memory
 from effpretrain.config import load_config
 from effpretrain.memory_measure import measure_run
-from effpretrain.reporting import cpu_description, git_commit
+from effpretrain.reporting import provenance
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = sorted((ROOT / "recipes" / "tiny").glob("*.yaml"))
@@ -234,10 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     kept = json.loads(args.out.read_text()) if args.only and args.out.exists() else {}
     result: dict[str, Any] = {
         **kept,
-        "commit": git_commit(),
-        "machine": cpu_description(),
-        "torch": torch.__version__,
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        **provenance(),
         "threads": torch.get_num_threads(),
         "tolerance": TOLERANCE,
     }

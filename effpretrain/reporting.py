@@ -282,6 +282,18 @@ def git_commit() -> str:
         return "unknown"
 
 
+def provenance() -> dict[str, Any]:
+    """Where a benchmark result came from: commit, machine, torch version and UTC date."""
+    import datetime as dt
+
+    return {
+        "commit": git_commit(),
+        "machine": cpu_description(),
+        "torch": torch.__version__,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
 def cpu_description() -> str:
     """CPU model name and logical core count, without touching any accelerator (benchmark
     results record it beside the commit)."""

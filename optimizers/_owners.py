@@ -94,6 +94,50 @@ def assign_owners(items: Sequence[tuple[int, int]], world: int) -> list[int]:
     return owners
 
 
+class OwnerPlaced:
+    """What an optimizer needs to step its sharded whole-matrix weights on owner ranks: the
+    ``whole_matrix`` choice, the placement (made on first use from the global shapes and the
+    class's ``state_bytes`` formula) and `holds_state`. A class lists its whole-matrix weights in
+    `_whole_step_params` and calls `_init_owners` from its constructor."""
+
+    whole_matrix: str
+    bucket_bytes: int
+    _owners: OwnerRanks | None
+
+    def _init_owners(self, whole_matrix: str, bucket_bytes: int) -> None:
+        if whole_matrix not in WHOLE_MATRIX_PATHS:
+            raise ValueError(f"whole_matrix must be one of {WHOLE_MATRIX_PATHS}, got {whole_matrix!r}")
+        self.whole_matrix = whole_matrix
+        self.bucket_bytes = int(bucket_bytes)
+        self._owners = None
+
+    def _whole_step_params(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+        """(parameter, group) of the sharded weights whose step needs the whole tensor, in order."""
+        raise NotImplementedError
+
+    def owner_ranks(self) -> OwnerRanks | None:
+        """The owner placement of the sharded whole-matrix weights (None when there are none, or
+        with ``whole_matrix="gather"``)."""
+        if self.whole_matrix != "owner":
+            return None
+        if self._owners is None:
+            items = self._whole_step_params()
+            if not items:
+                return None
+            self._owners = OwnerRanks(
+                [p for p, _ in items],
+                [whole_cost(tuple(p.shape), g) for p, g in items],
+                [self.state_bytes(tuple(p.shape), g, p.dtype) for p, g in items],  # type: ignore[attr-defined]
+                self.bucket_bytes,
+            )
+        return self._owners
+
+    def holds_state(self, p: torch.Tensor) -> bool:
+        """Whether this process holds `p`'s state: False only for a weight another rank owns."""
+        owners = self.owner_ranks()
+        return owners is None or owners.owns(p)
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's storage as a flat uint8 view (any dtype)."""
     return t.contiguous().reshape(-1).view(torch.uint8)
@@ -279,6 +323,7 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "WHOLE_MATRIX_PATHS",
     "CommCounter",
+    "OwnerPlaced",
     "OwnerRanks",
     "assign_owners",
     "shard_rows",

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from optimizers._owners import DEFAULT_BUCKET_BYTES, WHOLE_MATRIX_PATHS, OwnerRanks, whole_cost
+from optimizers._owners import DEFAULT_BUCKET_BYTES, OwnerPlaced
 from optimizers._sharded import is_dtensor, whole, write_whole_
 
 try:
@@ -34,7 +34,7 @@ _BLOCKSIZE = 256
 _QMAP_ENTRIES = 256
 
 
-class AdamW8bit(bnb.optim.AdamW8bit):
+class AdamW8bit(OwnerPlaced, bnb.optim.AdamW8bit):
     r"""bitsandbytes.optim.AdamW8bit plus `state_bytes` and a per-group `min_8bit_size`.
 
     Update (per step k, decoupled weight decay lambda, as torch's AdamW up to the 8-bit
@@ -74,11 +74,7 @@ class AdamW8bit(bnb.optim.AdamW8bit):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         **kwargs: Any,
     ) -> None:
-        if whole_matrix not in WHOLE_MATRIX_PATHS:
-            raise ValueError(f"whole_matrix must be one of {WHOLE_MATRIX_PATHS}, got {whole_matrix!r}")
-        self.whole_matrix = whole_matrix
-        self.bucket_bytes = int(bucket_bytes)
-        self._owners: OwnerRanks | None = None
+        self._init_owners(whole_matrix, bucket_bytes)
         super().__init__(
             params,
             lr=lr,
@@ -98,26 +94,9 @@ class AdamW8bit(bnb.optim.AdamW8bit):
         config["min_8bit_size"] = group.get("min_8bit_size", config["min_8bit_size"])
         return config
 
-    def owner_ranks(self) -> OwnerRanks | None:
-        """The owner placement of the sharded (DTensor) weights (None: none, or "gather")."""
-        if self.whole_matrix != "owner":
-            return None
-        if self._owners is None:
-            items = [(p, g) for g in self.param_groups for p in g["params"] if is_dtensor(p)]
-            if not items:
-                return None
-            self._owners = OwnerRanks(
-                [p for p, _ in items],
-                [whole_cost(tuple(p.shape), g) for p, g in items],
-                [self.state_bytes(tuple(p.shape), g, p.dtype) for p, g in items],
-                self.bucket_bytes,
-            )
-        return self._owners
-
-    def holds_state(self, p: torch.Tensor) -> bool:
-        """Whether this process holds `p`'s state: False only for a weight another rank owns."""
-        owners = self.owner_ranks()
-        return owners is None or owners.owns(p)
+    def _whole_step_params(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+        """Every sharded (DTensor) weight: 8-bit blocks are not element-wise."""
+        return [(p, g) for g in self.param_groups for p in g["params"] if is_dtensor(p)]
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:

@@ -95,7 +95,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from optimizers import projection as proj
-from optimizers._owners import DEFAULT_BUCKET_BYTES, WHOLE_MATRIX_PATHS, OwnerRanks, whole_cost
+from optimizers._owners import DEFAULT_BUCKET_BYTES, OwnerPlaced
 from optimizers._sharded import is_dtensor as _is_dtensor
 from optimizers._sharded import local, whole, write_whole_
 
@@ -534,7 +534,7 @@ def _nonzero_flags(grads: list[torch.Tensor]) -> list[bool]:
     return flags
 
 
-class ProjectedAdam(torch.optim.Optimizer):
+class ProjectedAdam(OwnerPlaced, torch.optim.Optimizer):
     """AdamW whose groups with ``rank`` run Adam on a projected gradient R = proj(G) (base class).
 
     Args:
@@ -607,11 +607,7 @@ class ProjectedAdam(torch.optim.Optimizer):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         **options: Any,
     ) -> None:
-        if whole_matrix not in WHOLE_MATRIX_PATHS:
-            raise ValueError(f"whole_matrix must be one of {WHOLE_MATRIX_PATHS}, got {whole_matrix!r}")
-        self.whole_matrix = whole_matrix
-        self.bucket_bytes = int(bucket_bytes)
-        self._owners: OwnerRanks | None = None
+        self._init_owners(whole_matrix, bucket_bytes)
         given = {
             "lr": lr,
             "betas": betas,
@@ -866,28 +862,6 @@ class ProjectedAdam(torch.optim.Optimizer):
             for p in g["params"]
             if _is_dtensor(p) and (g["project"] or not self.moments.ELEMENTWISE)
         ]
-
-    def owner_ranks(self) -> OwnerRanks | None:
-        """The owner placement of the sharded whole-matrix parameters (None when there are none,
-        or with ``whole_matrix="gather"``), made on first use from the global shapes."""
-        if self.whole_matrix != "owner":
-            return None
-        if self._owners is None:
-            items = self._whole_step_params()
-            if not items:
-                return None
-            self._owners = OwnerRanks(
-                [p for p, _ in items],
-                [whole_cost(tuple(p.shape), g) for p, g in items],
-                [self.state_bytes(tuple(p.shape), g, p.dtype) for p, g in items],
-                self.bucket_bytes,
-            )
-        return self._owners
-
-    def holds_state(self, p: torch.Tensor) -> bool:
-        """Whether this process holds `p`'s state: False only for a parameter another rank owns."""
-        owners = self.owner_ranks()
-        return owners is None or owners.owns(p)
 
     def _owner_steps(self, entries: list[tuple[dict[str, Any], torch.Tensor, int]]) -> None:
         """The whole-matrix steps of sharded parameters, each once on its owner rank (a collective:
