@@ -114,6 +114,9 @@ class MethodSpec:
             (`step_transient_bytes`); default `_dense_update_transient`.
         foreach: the class steps every tensor at once (torch's foreach path), so the transients of
             all tensors are live together; otherwise one tensor at a time (the largest counts).
+        head_blocks: the attention query and key weights go in their own group with
+            ``block_rows`` = the model's head size (`head_block_group`; Adam-mini's one second
+            moment per head), built by the trainer and the estimator from the model config.
     """
 
     name: str
@@ -125,6 +128,11 @@ class MethodSpec:
     shared_state_fn: Callable[[tuple[int, ...], dict[str, Any], torch.dtype], int] | None = None
     step_transient_fn: Callable[[tuple[int, ...], dict[str, Any], torch.dtype], int] | None = None
     foreach: bool = False
+    head_blocks: bool = False
+
+    def head_block_group(self, head_dim: int) -> dict[str, Any]:
+        """The group options of the query and key weights (empty unless `head_blocks`)."""
+        return {"block_rows": int(head_dim)} if self.head_blocks else {}
 
     @property
     def class_name(self) -> str:
@@ -276,6 +284,11 @@ METHODS: dict[str, MethodSpec] = {
             target="optimizers.apollo:APOLLOMini",
             projects=True,
             step_transient_fn=_projected_transient,
+        ),
+        _spec(
+            name="adam_mini",
+            target="optimizers.adam_mini:AdamMini",
+            head_blocks=True,
         ),
     )
 }
