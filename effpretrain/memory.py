@@ -156,6 +156,17 @@ class Estimate:
         }
 
 
+#: The attention weights whose rows split into heads: Adam-mini (`MethodSpec.head_blocks`) gives them
+#: one block per head (`MethodSpec.head_block_group`).
+HEAD_TARGETS: tuple[str, ...] = ("q_proj", "k_proj")
+
+
+def head_group(method: str, head_dim: int) -> dict[str, Any]:
+    """The group options the query and key weights get under `method` (also used by the trainer):
+    the registry row's `head_block_group`, empty for a method without head blocks."""
+    return optimizers.method_spec(method).head_block_group(head_dim)
+
+
 def projection_group(optim_cfg: Any) -> dict[str, Any]:
     """The group options a projected param gets from an OptimConfig (also used by the trainer):
     the registry row's `projection_group`."""
@@ -316,17 +327,19 @@ def _tally_params(
     density: float,
     warm_start: bool = False,
     restarts: bool = False,
+    heads: dict[str, Any] | None = None,
 ) -> None:
     """Adds every parameter to `t`: factorized targets as their factors (or, in a warm start, as
     their trained W0), projected targets with their whole low-rank state, the rest as dense
-    trainable tensors."""
+    trainable tensors (the query and key weights with the `heads` group options, if any)."""
     for s in shapes:
         t.unit = _layer_of(s.name)
         if factor is not None and s.linear in factor_targets:
             t.params += _tally_factorized(t, *s.shape, factor, factor_rank, density, warm_start, restarts)
             continue
         projected = proj_group is not None and s.linear in proj_targets
-        t.trainable_tensor(s.shape, proj_group if projected else None)
+        group = proj_group if projected else (heads if s.linear in HEAD_TARGETS else None)
+        t.trainable_tensor(s.shape, group)
         t.params += math.prod(s.shape)
         t.trainable += math.prod(s.shape)
     t.weights += t.index_bytes  # a buffer: not sharded
@@ -677,6 +690,7 @@ def estimate(
         density,
         warm_start,
         restarts,
+        head_group(method, PRESETS[preset].hidden // PRESETS[preset].heads),
     )
     t.finish()
     p = PRESETS[preset]

@@ -123,10 +123,20 @@ def lr_factor(step: int, cfg: RunConfig) -> float:
 # Param groups and the optimizer
 
 
+def _head_dim(model: torch.nn.Module) -> int:
+    """The model's attention head size (1 for a model without a transformers config)."""
+    c = getattr(model, "config", None)
+    if c is None or not getattr(c, "num_attention_heads", None):
+        return 1
+    return int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+
+
 def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str, Any]]:
     """Explicit rules (PAPER.md section 1): attention/MLP linear weights are projected for
     projection methods; every other matrix gets AdamW with weight decay; vectors (norms,
-    biases) get no weight decay. Frozen parameters are left out.
+    biases) get no weight decay. Frozen parameters are left out. For a method with head blocks
+    (`MethodSpec.head_blocks`: Adam-mini) the query and key linear weights get a group of their
+    own carrying the head size (`memory.head_group`).
 
     With a warm start (`factor.warm_start_steps`) the groups are the same in both phases, so a
     checkpoint's optimizer state loads whichever phase wrote it: B and A are in the decay group
@@ -143,7 +153,8 @@ def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str,
     warm = warm_start_layers(model) if cfg.factor.warm_start_steps else []
     w0s = {id(layer.weight) for layer in warm}
     phased = w0s | {id(p) for layer in warm for p in layer.factor_pair()}
-    proj, decay, no_decay = [], [], []
+    heads = memory.head_group(o.name, _head_dim(model))
+    proj, head, decay, no_decay = [], [], [], []
     for mod_name, module in model.named_modules():
         attr = mod_name.rsplit(".", 1)[-1]
         for pname, p in module.named_parameters(recurse=False):
@@ -156,6 +167,8 @@ def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str,
                 and pname == "weight"
             ):
                 proj.append(p)
+            elif heads and isinstance(module, torch.nn.Linear) and attr in memory.HEAD_TARGETS:
+                head.append(p)
             elif p.ndim < 2:
                 no_decay.append(p)
             else:
@@ -173,6 +186,8 @@ def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str,
     groups = []
     if proj:
         groups.append({"params": proj, "weight_decay": o.weight_decay, **memory.projection_group(o)})
+    if head:
+        groups.append({"params": head, "weight_decay": o.weight_decay, **heads})
     if decay:
         groups.append({"params": decay, "weight_decay": o.weight_decay})
     if no_decay:

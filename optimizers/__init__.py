@@ -262,6 +262,13 @@ METHODS: dict[str, MethodSpec] = {
             step_transient_fn=_projected_transient,
         ),
         _spec(
+            name="golore",
+            target="optimizers.golore:GoLoreAdamW",
+            projects=True,
+            needs_total_steps=True,
+            step_transient_fn=_projected_transient,
+        ),
+        _spec(
             name="galore_8bit",
             target="optimizers.galore_8bit:GaLoreAdamW8bit",
             projects=True,
