@@ -89,6 +89,12 @@ def _clipped_update_transient(shape: tuple[int, ...], group: dict[str, Any], dty
     return 3 * math.prod(shape) * dtype.itemsize
 
 
+def _one_temporary_transient(shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+    """Adam-mini: one full-size temporary at a time (G^2 for the block means, then the update),
+    ``numel s`` (measured; its per-block vectors are negligible)."""
+    return math.prod(shape) * dtype.itemsize
+
+
 def _fused_transient(shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
     """bitsandbytes' fused 8-bit AdamW kernel dequantises block by block: no full-size temporary."""
     return 0
@@ -296,6 +302,7 @@ METHODS: dict[str, MethodSpec] = {
             name="adam_mini",
             target="optimizers.adam_mini:AdamMini",
             head_blocks=True,
+            step_transient_fn=_one_temporary_transient,
         ),
     )
 }

@@ -160,7 +160,7 @@ def test_fsdp2_per_rank_bytes_by_hand():
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
-@pytest.mark.parametrize("method", ["galore", "apollo_mini", "galore_8bit", "adamw_8bit"])
+@pytest.mark.parametrize("method", ["galore", "apollo_mini", "galore_8bit", "adamw_8bit", "adam_mini"])
 def test_fsdp2_state_per_rank_shrinks_with_ranks(method, world):
     """Whole-matrix state is placed on owner ranks: no rank holds more than total / N plus the
     largest single parameter's state, for the projected and the 8-bit methods alike."""
@@ -275,7 +275,8 @@ def test_every_tiny_recipe_peak_matches_measured(recipe):
 
 
 @pytest.mark.parametrize(
-    "recipe", ["adamw", "galore", "galore_8bit", "fira", "apollo", "stable_spam", "relora"]
+    "recipe",
+    ["adamw", "galore", "galore_8bit", "fira", "apollo", "stable_spam", "relora", "golore", "adam_mini"],
 )
 def test_optimizer_step_peak_matches_measured(recipe):
     """One short sequence: the optimizer step is the largest moment, with each method's step
@@ -438,3 +439,29 @@ def test_auto_checkpointing_budget_nothing_fits_exits_2(tmp_path, tiny_overrides
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "train.memory_budget_gb=0.001: nothing fits" in lines[0]
+
+
+def test_adam_mini_query_and_key_get_one_block_per_head():
+    """The registry's `head_blocks` fact: the trainer puts every q and k weight in a group with the
+    head size as ``block_rows`` (one second moment per head), and the estimator counts the same
+    state (the tiny recipe's measured state equals the estimate: the recipe tests above)."""
+    from effpretrain.config import load_config
+    from effpretrain.models import PRESETS
+    from effpretrain.optim_setup import build_param_groups
+
+    cfg = load_config(ROOT / "recipes" / "tiny" / "adam_mini.yaml")
+    model = build_model("tiny", cfg.data.vocab_size)
+    groups = build_param_groups(model, cfg)
+    heads = [g for g in groups if g.get("block_rows")]
+    p = PRESETS["tiny"]
+    assert len(heads) == 1 and heads[0]["block_rows"] == p.hidden // p.heads
+    names = {id(w): n for n, w in model.named_parameters()}
+    assert sorted(names[id(w)].rsplit(".", 2)[-2] for w in heads[0]["params"]) == sorted(
+        ["q_proj", "k_proj"] * p.layers
+    )
+    spec = optimizers.method_spec("adam_mini")
+    want = sum(spec.state_bytes(tuple(w.shape), g, torch.float32) for g in groups for w in g["params"])
+    est = estimate("tiny", "adam_mini", dtype="fp32", vocab_size=cfg.data.vocab_size)
+    assert est.optimizer_state == want
+    galore = optimizers.method_spec("galore")
+    assert galore.head_block_group(64) == {} and spec.head_block_group(64) == {"block_rows": 64}
