@@ -52,8 +52,9 @@ CASES = {
 }
 # Resumed under 2 FSDP2 processes: restarts on sharded factors; GaLore-8bit (whole projected
 # state and basis, whole 8-bit dense moments); bitsandbytes' AdamW8bit (its own
-# nested state dict); Stable-SPAM (sharded moments plus whole scalar statistics).
-RESUMES = ["lowrank_restarts", "galore_8bit", "adamw_8bit", "stable_spam"]
+# nested state dict); Stable-SPAM (sharded moments plus whole scalar statistics); Adam-mini (every
+# weight's state whole on its owner, per-head and per-row second moments).
+RESUMES = ["lowrank_restarts", "galore_8bit", "adamw_8bit", "stable_spam", "adam_mini"]
 RESUME = RESUMES[0]
 
 WORKER = textwrap.dedent(
@@ -244,8 +245,9 @@ def test_every_method_has_an_fsdp2_parity_case():
 
 # ------------------------------------------------------------------ 3 processes (uneven ownership)
 
-#: The methods whose whole-matrix math runs on owner ranks (projected state, 8-bit blocks).
-OWNER_METHODS = ["galore", "fira", "apollo", "apollo_mini", "galore_8bit", "adamw_8bit"]
+#: The methods whose whole-matrix math runs on owner ranks (projected state, 8-bit blocks, Adam-mini's
+#: head and norm blocks, which straddle 3 ranks' rows).
+OWNER_METHODS = ["galore", "fira", "apollo", "apollo_mini", "galore_8bit", "adamw_8bit", "adam_mini"]
 #: Also run with dist.whole_matrix=gather, which must give the same bits as the owner path.
 GATHERED = ["galore", "galore_8bit", "adamw_8bit"]
 
