@@ -119,7 +119,9 @@ class GoLoreAdamW(GaLoreAdamW):
     is drawn uniformly from the Stiefel manifold instead of computed from the gradient.
 
     With T the refresh gap and S = ``total_steps`` (the run length, from the trainer), a refresh at
-    the parameter's pre-increment step t (t % T == 0) computes P by the group's SVD-family basis
+    the parameter's pre-increment step t (t % T == 0; t is the parameter's Adam step counter, as
+    in GoLore's code, so a momentum reset, which restarts t, also restarts the count towards the
+    switch) computes P by the group's SVD-family basis
     while t < ``rand_ratio`` S, and draws a random orthonormal P (`orthonormal_basis`: QR of a
     seeded Gaussian, sign-fixed) once t >= ``rand_ratio`` S; between refreshes P is kept (stored
     before the switch, regenerated from (seed, refresh k) after it). GoLore's own runs use
@@ -136,7 +138,8 @@ class GoLoreAdamW(GaLoreAdamW):
     empty after it).
     `state_bytes` is the peak, the SVD phase's: right side 2 s m k + s k n, left side
     2 s k n + s m k (GaLore's); after the switch the state is s k n (right) or s m k (left) smaller
-    (the moments only), and with rand_ratio 0 it is the moments only throughout.
+    (the moments only), and with rand_ratio 0 it is the moments only throughout. (A run's summary,
+    measured after the switch, therefore reads below the estimate by the freed bases.)
     """
 
     PROJECTION_DEFAULTS: ClassVar[dict[str, Any]] = {
