@@ -384,7 +384,7 @@ def test_resume_from_trainer_checkpoint_repeats_the_straight_run(case, tmp_path)
 # Memory estimate for a preset-shaped model
 
 
-@pytest.mark.parametrize("method", ["adamw", "galore"])
+@pytest.mark.parametrize("method", ["adamw", "galore", "adam_mini"])
 def test_estimate_for_a_preset_model_is_effpretrains_and_matches_measured(method):
     model = build_model("tiny", vocab_size=256, max_positions=SEQ)
     opt, _ = hf.create_optimizer(model, method, num_training_steps=4, lr=1e-3, rank=16)
