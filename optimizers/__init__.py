@@ -32,6 +32,8 @@ from optimizers.momentum_reset import reset_
 from optimizers.refactorization import refactorize_
 from optimizers.restarts import Restarts, recovery_factor
 
+#: The group key that marks (B, A) factor pairs, ``[B_1, A_1, B_2, A_2, ...]`` (`MethodSpec.steps_factor_pairs`).
+FACTOR_PAIRS_KEY = "factor_pairs"
 #: Keys of `optim.extra` that belong to projected groups (basis options), not to the constructor.
 PROJECTION_GROUP_EXTRAS: tuple[str, ...] = ("oversample", "power_iters", "seed")
 
@@ -114,6 +116,14 @@ class MethodSpec:
             (`step_transient_bytes`); default `_dense_update_transient`.
         foreach: the class steps every tensor at once (torch's foreach path), so the transients of
             all tensors are live together; otherwise one tensor at a time (the largest counts).
+        steps_factor_pairs: its rule steps a factorized model's (B, A) pairs jointly (LORO): the
+            toolkit puts every factorized layer's B and A, in that order, in one group marked
+            ``factor_pairs`` (`FACTOR_PAIRS_KEY`), and refuses the method without a factor kind
+            that has refactorizable pairs; the class's ``exact_step_transient_bytes(m, n, r,
+            dtype)`` is one pair's largest step (`pair_step_transient_bytes`).
+        restart_period_arg: the constructor keyword that receives ``restarts.every``: a schedule
+            the method keeps in step with the restarts that refresh its state (LORO's exact steps);
+            such a method needs ``restarts.every > 0``.
     """
 
     name: str
@@ -125,6 +135,8 @@ class MethodSpec:
     shared_state_fn: Callable[[tuple[int, ...], dict[str, Any], torch.dtype], int] | None = None
     step_transient_fn: Callable[[tuple[int, ...], dict[str, Any], torch.dtype], int] | None = None
     foreach: bool = False
+    steps_factor_pairs: bool = False
+    restart_period_arg: str | None = None
 
     @property
     def class_name(self) -> str:
@@ -196,6 +208,10 @@ class MethodSpec:
             kw["total_steps"] = total_steps
         return kw
 
+    def restart_kwargs(self, every: int) -> dict[str, Any]:
+        """The constructor keyword that takes the restart period `every`, if the method has one."""
+        return {self.restart_period_arg: every} if self.restart_period_arg and every > 0 else {}
+
     def state_bytes(self, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
         """Exact bytes of optimizer state one parameter of `shape`/`dtype` holds after >= 1 step."""
         fn = self.state_bytes_fn or self.cls.state_bytes
@@ -207,6 +223,13 @@ class MethodSpec:
         shared_state_bytes(p)``. 0 for a method without such state."""
         fn = self.shared_state_fn or getattr(self.cls, "shared_state_bytes", None)
         return int(fn(tuple(shape), group, dtype)) if fn is not None else 0
+
+    def pair_step_transient_bytes(self, m: int, n: int, rank: int, dtype: torch.dtype) -> int:
+        """Bytes of the temporaries of one (B, A) pair's joint step (m x n target, rank r), for a
+        method that `steps_factor_pairs`; 0 otherwise."""
+        if not self.steps_factor_pairs:
+            return 0
+        return int(self.cls.exact_step_transient_bytes(m, n, rank, dtype))
 
     def step_transient_bytes(self, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
         """Bytes of the temporaries the step holds while it updates one parameter of `shape` (at a
@@ -276,6 +299,12 @@ METHODS: dict[str, MethodSpec] = {
             target="optimizers.apollo:APOLLOMini",
             projects=True,
             step_transient_fn=_projected_transient,
+        ),
+        _spec(
+            name="loro",
+            target="optimizers.loro:LOROAdamW",
+            steps_factor_pairs=True,
+            restart_period_arg="exact_every",
         ),
     )
 }
@@ -354,6 +383,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "FACTOR_PAIRS_KEY",
     "METHODS",
     "PROJECTION_GROUP_EXTRAS",
     "MethodSpec",
