@@ -511,6 +511,11 @@ def _check_method_needs(cfg: RunConfig, source: str) -> None:
             f"{source}: optim.name={cfg.optim.name} steps the (B, A) factor pairs of a factorized model: "
             f"set factor.kind to one of {able} (got {kind})"
         )
+    if spec.restart_period_arg in cfg.optim.extra:
+        raise ConfigError(
+            f"{source}: optim.extra.{spec.restart_period_arg} would disagree with restarts.every, which "
+            f"{cfg.optim.name} takes it from; set restarts.every instead"
+        )
     if spec.restart_period_arg and cfg.restarts.every < 1:
         raise ConfigError(
             f"{source}: optim.name={cfg.optim.name} takes its {spec.restart_period_arg} from restarts.every: "

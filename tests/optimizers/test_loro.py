@@ -255,6 +255,7 @@ def _tiny_recipe() -> str:
         ("factor.kind=none", "steps the (B, A) factor pairs of a factorized model"),
         ("factor.kind=relora", "steps the (B, A) factor pairs of a factorized model"),
         ("restarts.every=0", "takes its exact_every from restarts.every"),
+        ("optim.extra.exact_every=7", "optim.extra.exact_every would disagree with restarts.every"),
     ],
 )
 def test_train_refuses_loro_without_pairs_or_period_exit_2_one_line(tmp_path, capsys, override, needle):
