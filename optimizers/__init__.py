@@ -91,6 +91,12 @@ def _clipped_update_transient(shape: tuple[int, ...], group: dict[str, Any], dty
     return 3 * math.prod(shape) * dtype.itemsize
 
 
+def _adam_direction_transient(shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+    """LORO's Adam: the direction N of one tensor (written over sqrt(V) + eps, or the fused
+    kernel's output), ``numel s`` (measured); a pair's exact step adds `pair_step_transient_bytes`."""
+    return math.prod(shape) * dtype.itemsize
+
+
 def _fused_transient(shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
     """bitsandbytes' fused 8-bit AdamW kernel dequantises block by block: no full-size temporary."""
     return 0
@@ -305,6 +311,7 @@ METHODS: dict[str, MethodSpec] = {
             target="optimizers.loro:LOROAdamW",
             steps_factor_pairs=True,
             restart_period_arg="exact_every",
+            step_transient_fn=_adam_direction_transient,
         ),
     )
 }

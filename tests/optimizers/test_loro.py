@@ -288,3 +288,20 @@ def test_the_trainer_gives_loro_every_factor_pair_and_the_restart_period() -> No
     others = {id(p) for g in inner.param_groups if not g["factor_pairs"] for p in g["params"]}
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
     assert others == trainable - {id(p) for p in want}
+
+
+def test_estimated_peak_matches_measured_across_an_exact_step() -> None:
+    """The tiny recipe with an exact step in the measured steps (restarts.every = 2): weights,
+    gradients and state exact, the peak (the optimizer step) within 5%."""
+    from effpretrain.config import load_config
+    from effpretrain.memory import estimate_from_config
+    from effpretrain.memory_measure import measure_run
+
+    over = ["train.batch_size=1", "data.seq_len=16", "restarts.every=2", "data.shuffle_buffer=0"]
+    cfg = load_config(_tiny_recipe(), over)
+    est = estimate_from_config(cfg, cfg.data.vocab_size)
+    measured = max(measure_run(cfg, cfg.data.vocab_size, 2), key=lambda r: r["peak"])
+    assert (measured["weights"], measured["gradients"]) == (est.weights, est.grads)
+    assert measured["optimizer_state"] == est.optimizer_state
+    assert est.detail["peak_phase"] == measured["phase_at_peak"] == "optimizer_step"
+    assert measured["peak"] == pytest.approx(est.peak, rel=0.05)
