@@ -305,3 +305,33 @@ def test_estimated_peak_matches_measured_across_an_exact_step() -> None:
     assert measured["optimizer_state"] == est.optimizer_state
     assert est.detail["peak_phase"] == measured["phase_at_peak"] == "optimizer_step"
     assert measured["peak"] == pytest.approx(est.peak, rel=0.05)
+
+
+def test_trainer_resume_across_an_exact_step_is_bitwise_exact(tmp_path, tiny_overrides) -> None:
+    """The trainer resumed from step 2's checkpoint crosses the exact steps (and refreshes) at 3
+    and 6 and ends on the straight run's weights, bit for bit."""
+    from safetensors.torch import load_file
+
+    from effpretrain.config import load_config
+    from effpretrain.trainer import train
+
+    over = [
+        *tiny_overrides,
+        "train.max_steps=6",
+        "train.eval_every=6",
+        "train.save_every=2",
+        "train.keep_checkpoints=3",
+        "restarts.every=3",
+    ]
+    straight = train(load_config(_tiny_recipe(), over), tmp_path / "straight")
+    assert straight["opt/restarts"] == 2
+    resumed_dir = tmp_path / "resumed"
+    resumed = train(
+        load_config(_tiny_recipe(), over),
+        resumed_dir,
+        resume=str(tmp_path / "straight" / "checkpoints" / "step-2"),
+    )
+    assert resumed["steps"] == 6
+    a = load_file(str(tmp_path / "straight" / "checkpoints" / "step-6" / "model.safetensors"))
+    b = load_file(str(resumed_dir / "checkpoints" / "step-6" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
