@@ -90,6 +90,8 @@ def riemannian_step(B: Tensor, A: Tensor, dB: Tensor, dA: Tensor, lr: float) -> 
     stepped point is the rank-<= 2r product given in the module docstring, and the result is its
     rank-r truncated SVD, balanced (B' = U_r S_r^1/2, A' = S_r^1/2 V_r^T). If dB = G A^T and
     dA = B^T G for some m x n G, then B' A' = T_r(W - lr P_W(G)) with T_r the truncated SVD.
+    B and A need full rank r (R_B, R_A invertible): the manifold's tangent space is only defined
+    there, as in LORO's code (torch.linalg.solve); a rank-deficient pair gives non-finite factors.
 
     Args:
         B: m x r factor (full column rank).
