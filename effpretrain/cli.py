@@ -197,6 +197,8 @@ def cmd_estimate(args) -> int:
         raise ConfigError(
             f"--method {args.method!r} is not one of {', '.join(sorted(optimizers.METHODS) + list(FACTOR_KINDS))}"
         )
+    if optimizers.method_spec(method).steps_factor_pairs and factor == "none":
+        factor = "lowrank"  # a method that steps factor pairs (LORO) trains the pure Low-Rank model
     sizes = {"--rank": args.rank, "--world-size": args.world_size, "--batch-size": args.batch_size}
     sizes["--grad-accum"] = args.grad_accum
     sizes.update({"--seq-len": args.seq_len, "--vocab-size": args.vocab_size})

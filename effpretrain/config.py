@@ -494,7 +494,33 @@ def validate(cfg: RunConfig, source: str = "config") -> RunConfig:
         raise ConfigError(f"{source}: data.name is required when data.source=hub")
     if cfg.train.activation_checkpointing == "auto" and cfg.train.memory_budget_gb is None:
         raise ConfigError(f"{source}: train.activation_checkpointing=auto needs train.memory_budget_gb")
+    _check_method_needs(cfg, source)
     return cfg
+
+
+def _check_method_needs(cfg: RunConfig, source: str) -> None:
+    """What a method's registry row asks of the rest of the config: (B, A) pairs of a factorized
+    model (`MethodSpec.steps_factor_pairs`), a restart period (`MethodSpec.restart_period_arg`)."""
+    import optimizers
+    from effpretrain.models import FACTOR_KINDS
+
+    spec, kind = optimizers.method_spec(cfg.optim.name), cfg.factor.kind
+    if spec.steps_factor_pairs and (kind == "none" or not FACTOR_KINDS[kind].refactorizable):
+        able = ", ".join(k for k, f in FACTOR_KINDS.items() if f.refactorizable)
+        raise ConfigError(
+            f"{source}: optim.name={cfg.optim.name} steps the (B, A) factor pairs of a factorized model: "
+            f"set factor.kind to one of {able} (got {kind})"
+        )
+    if spec.restart_period_arg in cfg.optim.extra:
+        raise ConfigError(
+            f"{source}: optim.extra.{spec.restart_period_arg} would disagree with restarts.every, which "
+            f"{cfg.optim.name} takes it from; set restarts.every instead"
+        )
+    if spec.restart_period_arg and cfg.restarts.every < 1:
+        raise ConfigError(
+            f"{source}: optim.name={cfg.optim.name} takes its {spec.restart_period_arg} from restarts.every: "
+            "set restarts.every >= 1"
+        )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -287,7 +287,8 @@ def _tally_factorized(
     """Adds one factorized m x n target (B m x r, A r x n, [sparse values], [frozen W0], [index
     buffer, not sharded]) to `t`; returns its element count. In a warm start (`warm_start`, a kind
     with `warm_starts`) the roles swap: W0 trains (weight, gradient, plain unprojected state) and
-    the factors are stored only. With `restarts`, the largest restart transient is kept."""
+    the factors are stored only. With `restarts`, the largest restart transient is kept; a method
+    that steps the pair jointly (`MethodSpec.steps_factor_pairs`) adds that step's temporaries."""
     counts = spec.param_counts(m, n, rank, density)
     warm = warm_start and spec.warm_starts
     for shape in _factor_param_shapes(m, n, rank, counts):
@@ -301,6 +302,8 @@ def _tally_factorized(
         t.stored_weight((m, n))
     if restarts:
         t.restart_transient = max(t.restart_transient, spec.restart_transient_bytes(m, n, rank))
+    if not warm:  # a method that steps the pair jointly (LORO's exact step): its temporaries
+        t.transient = max(t.transient, t.method.pair_step_transient_bytes(m, n, rank, t.dtype))
     t.index_bytes += counts["index_elements"] * torch.int64.itemsize
     t.trainable += m * n if warm else counts["trainable"]
     return counts["trainable"] + counts["frozen"]

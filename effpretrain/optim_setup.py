@@ -136,7 +136,8 @@ def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str,
     projection methods; every other matrix gets AdamW with weight decay; vectors (norms,
     biases) get no weight decay. Frozen parameters are left out. For a method with head blocks
     (`MethodSpec.head_blocks`: Adam-mini) the query and key linear weights get a group of their
-    own carrying the head size (`memory.head_group`).
+    own carrying the head size (`memory.head_group`). A method that steps factor pairs
+    (`MethodSpec.steps_factor_pairs`: LORO) gets every (B, A) pair in one marked group first.
 
     With a warm start (`factor.warm_start_steps`) the groups are the same in both phases, so a
     checkpoint's optimizer state loads whichever phase wrote it: B and A are in the decay group
@@ -184,6 +185,8 @@ def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str,
                 f"optim.rank={o.rank} exceeds min(m, n)={min(p.shape)} of a projected {tuple(p.shape)} weight"
             )
     groups = []
+    if spec.steps_factor_pairs:
+        groups.append(_factor_pair_group(model, cfg, decay))
     if proj:
         groups.append({"params": proj, "weight_decay": o.weight_decay, **memory.projection_group(o)})
     if head:
@@ -195,6 +198,26 @@ def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str,
     if warm:
         groups.append({"params": [layer.weight for layer in warm], "weight_decay": o.weight_decay})
     return groups
+
+
+def _factor_pair_group(model: torch.nn.Module, cfg: RunConfig, decay: list[torch.Tensor]) -> dict[str, Any]:
+    """For a method that `steps_factor_pairs` (LORO): every factorized layer's B and A, in that
+    order, in one group marked `optimizers.FACTOR_PAIRS_KEY`, taken out of `decay`.
+
+    Raises:
+        ConfigError: the model has no (B, A) pair (a factor kind without refactorizable pairs).
+    """
+    from effpretrain.models import factor_pairs, factor_spec
+
+    kind = cfg.factor.kind
+    if kind == "none" or not factor_spec(kind).refactorizable:
+        raise ConfigError(
+            f"optim.name={cfg.optim.name} steps (B, A) factor pairs; factor.kind={kind} has none"
+        )
+    pairs = [p for pair in factor_pairs(model) for p in pair]
+    paired = {id(p) for p in pairs}
+    decay[:] = [p for p in decay if id(p) not in paired]
+    return {"params": pairs, "weight_decay": cfg.optim.weight_decay, optimizers.FACTOR_PAIRS_KEY: True}
 
 
 def optimizer_kwargs(cfg: RunConfig) -> dict[str, Any]:
@@ -211,6 +234,7 @@ def optimizer_kwargs(cfg: RunConfig) -> dict[str, Any]:
     spec = optimizers.method_spec(o.name)
     if spec.whole_matrix_steps:
         kw["whole_matrix"] = cfg.dist.whole_matrix
+    kw.update(spec.restart_kwargs(cfg.restarts.every))
     return spec.constructor_kwargs(kw, total_steps=cfg.train.max_steps)
 
 

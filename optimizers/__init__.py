@@ -32,6 +32,8 @@ from optimizers.momentum_reset import reset_
 from optimizers.refactorization import refactorize_
 from optimizers.restarts import Restarts, recovery_factor
 
+#: The group key that marks (B, A) factor pairs, ``[B_1, A_1, B_2, A_2, ...]`` (`MethodSpec.steps_factor_pairs`).
+FACTOR_PAIRS_KEY = "factor_pairs"
 #: Keys of `optim.extra` that belong to projected groups (basis options), not to the constructor.
 PROJECTION_GROUP_EXTRAS: tuple[str, ...] = ("oversample", "power_iters", "seed")
 
@@ -90,8 +92,10 @@ def _clipped_update_transient(shape: tuple[int, ...], group: dict[str, Any], dty
 
 
 def _one_temporary_transient(shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
-    """Adam-mini: one full-size temporary at a time (G^2 for the block means, then the update),
-    ``numel s`` (measured; its per-block vectors are negligible)."""
+    """One full-size temporary at a time, ``numel s`` (measured): Adam-mini's G^2 for the block means,
+    then its update (its per-block vectors are negligible); LORO's Adam direction N of one tensor
+    (written over sqrt(V) + eps, or the fused kernel's output; a pair's exact step adds
+    `pair_step_transient_bytes`)."""
     return math.prod(shape) * dtype.itemsize
 
 
@@ -123,6 +127,14 @@ class MethodSpec:
         head_blocks: the attention query and key weights go in their own group with
             ``block_rows`` = the model's head size (`head_block_group`; Adam-mini's one second
             moment per head), built by the trainer and the estimator from the model config.
+        steps_factor_pairs: its rule steps a factorized model's (B, A) pairs jointly (LORO): the
+            toolkit puts every factorized layer's B and A, in that order, in one group marked
+            ``factor_pairs`` (`FACTOR_PAIRS_KEY`), and refuses the method without a factor kind
+            that has refactorizable pairs; the class's ``exact_step_transient_bytes(m, n, r,
+            dtype)`` is one pair's largest step (`pair_step_transient_bytes`).
+        restart_period_arg: the constructor keyword that receives ``restarts.every``: a schedule
+            the method keeps in step with the restarts that refresh its state (LORO's exact steps);
+            such a method needs ``restarts.every > 0``.
     """
 
     name: str
@@ -135,6 +147,8 @@ class MethodSpec:
     step_transient_fn: Callable[[tuple[int, ...], dict[str, Any], torch.dtype], int] | None = None
     foreach: bool = False
     head_blocks: bool = False
+    steps_factor_pairs: bool = False
+    restart_period_arg: str | None = None
 
     def head_block_group(self, head_dim: int) -> dict[str, Any]:
         """The group options of the query and key weights (empty unless `head_blocks`)."""
@@ -210,6 +224,10 @@ class MethodSpec:
             kw["total_steps"] = total_steps
         return kw
 
+    def restart_kwargs(self, every: int) -> dict[str, Any]:
+        """The constructor keyword that takes the restart period `every`, if the method has one."""
+        return {self.restart_period_arg: every} if self.restart_period_arg and every > 0 else {}
+
     def state_bytes(self, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
         """Exact bytes of optimizer state one parameter of `shape`/`dtype` holds after >= 1 step."""
         fn = self.state_bytes_fn or self.cls.state_bytes
@@ -221,6 +239,13 @@ class MethodSpec:
         shared_state_bytes(p)``. 0 for a method without such state."""
         fn = self.shared_state_fn or getattr(self.cls, "shared_state_bytes", None)
         return int(fn(tuple(shape), group, dtype)) if fn is not None else 0
+
+    def pair_step_transient_bytes(self, m: int, n: int, rank: int, dtype: torch.dtype) -> int:
+        """Bytes of the temporaries of one (B, A) pair's joint step (m x n target, rank r), for a
+        method that `steps_factor_pairs`; 0 otherwise."""
+        if not self.steps_factor_pairs:
+            return 0
+        return int(self.cls.exact_step_transient_bytes(m, n, rank, dtype))
 
     def step_transient_bytes(self, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
         """Bytes of the temporaries the step holds while it updates one parameter of `shape` (at a
@@ -304,6 +329,13 @@ METHODS: dict[str, MethodSpec] = {
             head_blocks=True,
             step_transient_fn=_one_temporary_transient,
         ),
+        _spec(
+            name="loro",
+            target="optimizers.loro:LOROAdamW",
+            steps_factor_pairs=True,
+            restart_period_arg="exact_every",
+            step_transient_fn=_one_temporary_transient,
+        ),
     )
 }
 
@@ -381,6 +413,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "FACTOR_PAIRS_KEY",
     "METHODS",
     "PROJECTION_GROUP_EXTRAS",
     "MethodSpec",

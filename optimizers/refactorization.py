@@ -44,8 +44,12 @@ def _compute_dtype(*tensors: Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def balanced_factors(B: Tensor, A: Tensor) -> tuple[Tensor, Tensor]:
+def balanced_factors(B: Tensor, A: Tensor, rank: int | None = None) -> tuple[Tensor, Tensor]:
     """Returns the balanced split (U S^1/2, S^1/2 V^T) of B A without forming B A.
+
+    With `rank` = k the split is that of the rank-k truncated SVD of B A (its k largest singular
+    triplets; Eckart-Young's best rank-k approximation), which is how LORO retracts a step back to
+    rank k (optimizers/loro.py): the same two thin QRs and one small-core SVD.
 
     Computed in fp32 (fp64 if an input is fp64) and returned in that dtype; inputs are not
     modified. See the module docstring for the maths.
@@ -66,13 +70,15 @@ def balanced_factors(B: Tensor, A: Tensor) -> tuple[Tensor, Tensor]:
     Args:
         B: m x r factor.
         A: r x n factor.
+        rank: keep the k = `rank` largest directions (None: all r); the inner dimension r may then
+            exceed min(m, n).
 
     Returns:
-        (B', A') with B' A' = B A, B'^T B' = A' A'^T = diag(S).
+        (B', A'), m x k and k x n, with B' A' = B A (truncated to rank k), B'^T B' = A' A'^T = diag(S).
 
     Raises:
-        ValueError: if shapes do not chain or r > min(m, n) (the balanced split has only
-            min(m, n) nonzero directions, so r - min(m, n) of them would be dead).
+        ValueError: if shapes do not chain or k > min(m, n) (the balanced split has only
+            min(m, n) nonzero directions, so k - min(m, n) of them would be dead).
     """
     if B.ndim != 2 or A.ndim != 2 or B.shape[1] != A.shape[0]:
         raise ValueError(
@@ -80,30 +86,35 @@ def balanced_factors(B: Tensor, A: Tensor) -> tuple[Tensor, Tensor]:
         )
     m, r = B.shape
     n = A.shape[1]
-    if r > min(m, n):
-        raise ValueError(f"rank {r} exceeds min(m, n)={min(m, n)} of a {m} x {n} factor pair")
+    k = r if rank is None else rank
+    if not 1 <= k <= min(m, n):
+        raise ValueError(f"rank {k} exceeds min(m, n)={min(m, n)} of a {m} x {n} factor pair")
     dtype = _compute_dtype(B, A)
     Bf = B.detach().to(dtype)
     Af = A.detach().to(dtype)
 
-    Q_B, R_B = torch.linalg.qr(Bf)  # m x r, r x r
-    Q_A, R_A = torch.linalg.qr(Af.T)  # n x r, r x r
-    U_c, S, Vh_c = torch.linalg.svd(R_B @ R_A.T)  # r x r each; S descending
-    U = Q_B @ U_c  # m x r, orthonormal columns
-    Vh = Vh_c @ Q_A.T  # r x n, orthonormal rows
+    Q_B, R_B = torch.linalg.qr(Bf)  # m x r', r' x r (r' = min(m, r))
+    Q_A, R_A = torch.linalg.qr(Af.T)  # n x r'', r'' x r
+    U_c, S, Vh_c = torch.linalg.svd(R_B @ R_A.T, full_matrices=False)  # S descending
+    core = max(U_c.shape)
+    U = (Q_B @ U_c)[:, :k]  # m x k, orthonormal columns
+    Vh = (Vh_c @ Q_A.T)[:k]  # k x n, orthonormal rows
+    S = S[:k]
 
     # Fix the SVD's per-component sign so the result depends on B A only (idempotence).
     rows = U.abs().argmax(dim=0)
-    sign = torch.sign(U[rows, torch.arange(r, device=U.device)])
+    sign = torch.sign(U[rows, torch.arange(k, device=U.device)])
     sign = torch.where(sign == 0, torch.ones_like(sign), sign)
     U = U * sign
     Vh = Vh * sign[:, None]
 
     s_max = S[0]
     if s_max == 0:
+        if k < r:  # a zero product truncated: B zero, A's rows orthonormal (still learnable)
+            return torch.zeros_like(U), Vh
         return Bf.clone(), Af.clone()
-    # torch.linalg.matrix_rank's threshold for the r x r core: below it, S is round-off.
-    tol = s_max * r * torch.finfo(dtype).eps
+    # torch.linalg.matrix_rank's threshold for the core: below it, S is round-off.
+    tol = s_max * core * torch.finfo(dtype).eps
     alive = S > tol
     root = S.sqrt()
     if not bool(alive.all()):
