@@ -37,9 +37,10 @@ def export(run_or_ckpt: str | Path, out: str | Path) -> Path:
     load_model_weights(model, weights, path)
     spec = factor_spec(cfg.factor.kind) if cfg.factor.kind != "none" else None
     if spec is not None and not spec.dense_equivalent:
-        model, merged = _factored_model(model.to(torch.float32), cfg), 0
+        model = _factored_model(model.to(torch.float32), cfg)
+        layers = f"{cfg.factor.kind} factors kept: no dense weight"
     else:
-        merged = merge_factorized_(model)
+        layers = f"{merge_factorized_(model)} factorized layers merged"
     model = model.to(torch.float32)
     out = Path(out)
     if out.exists() and any(out.iterdir()):
@@ -47,10 +48,10 @@ def export(run_or_ckpt: str | Path, out: str | Path) -> Path:
     model.save_pretrained(out, safe_serialization=True)
     _save_tokenizer(cfg, out)
     log.info(
-        "exported %s (step %s, %d factorized layers merged) to %s",
+        "exported %s (step %s, %s) to %s",
         path,
         state["trainer"]["step"],
-        merged,
+        layers,
         out,
     )
     return out
