@@ -495,6 +495,15 @@ def validate(cfg: RunConfig, source: str = "config") -> RunConfig:
     if cfg.train.activation_checkpointing == "auto" and cfg.train.memory_budget_gb is None:
         raise ConfigError(f"{source}: train.activation_checkpointing=auto needs train.memory_budget_gb")
     _check_method_needs(cfg, source)
+    if cfg.restarts.every and cfg.restarts.refactorize and cfg.factor.kind != "none":
+        from effpretrain.models import factor_spec
+
+        spec = factor_spec(cfg.factor.kind)
+        if not (spec.refactorizable or spec.merges_at_restart):
+            raise ConfigError(
+                f"{source}: restarts.refactorize=true but factor.kind={cfg.factor.kind} cannot be refactorized "
+                "(B A is not its weight); set restarts.refactorize=false"
+            )
     return cfg
 
 

@@ -1,8 +1,11 @@
 """`effpretrain export RUN_DIR --out DIR`: a plain HuggingFace folder from a run's checkpoint.
 
 Factorized layers (Low-Rank, LoRA, ReLoRA, SLTrain) are merged into dense weights, so the folder
-loads with `AutoModelForCausalLM.from_pretrained(DIR)` and gives the trained model's outputs. The
-built-in tokenizer, when the run used it, is saved beside the model.
+loads with `AutoModelForCausalLM.from_pretrained(DIR)` and gives the trained model's outputs. A kind
+with no dense equivalent (`FactorSpec.dense_equivalent` False: CoLA, y = B sigma(A x)) is exported
+with its factors: the folder's model type is `effpretrain.models.factored_hf`'s, which loads it
+after ``import effpretrain.models.factored_hf`` (see that module for the format). The built-in
+tokenizer, when the run used it, is saved beside the model.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ log = logging.getLogger("effpretrain")
 
 def export(run_or_ckpt: str | Path, out: str | Path) -> Path:
     """Writes the merged model of the newest complete checkpoint of a run (or of one checkpoint)."""
-    from effpretrain.models import merge_factorized_
+    from effpretrain.models import factor_spec, merge_factorized_
     from effpretrain.run_model import build_run_model
 
     path = resolve_checkpoint(run_or_ckpt, "export")
@@ -32,7 +35,12 @@ def export(run_or_ckpt: str | Path, out: str | Path) -> Path:
         raise ConfigError(f"export: checkpoint {path} holds no model.embed_tokens.weight")
     model, _ = build_run_model(cfg, weights["model.embed_tokens.weight"].shape[0])
     load_model_weights(model, weights, path)
-    merged = merge_factorized_(model)
+    spec = factor_spec(cfg.factor.kind) if cfg.factor.kind != "none" else None
+    if spec is not None and not spec.dense_equivalent:
+        model = _factored_model(model.to(torch.float32), cfg)
+        layers = f"{cfg.factor.kind} factors kept: no dense weight"
+    else:
+        layers = f"{merge_factorized_(model)} factorized layers merged"
     model = model.to(torch.float32)
     out = Path(out)
     if out.exists() and any(out.iterdir()):
@@ -40,12 +48,33 @@ def export(run_or_ckpt: str | Path, out: str | Path) -> Path:
     model.save_pretrained(out, safe_serialization=True)
     _save_tokenizer(cfg, out)
     log.info(
-        "exported %s (step %s, %d factorized layers merged) to %s",
+        "exported %s (step %s, %s) to %s",
         path,
         state["trainer"]["step"],
-        merged,
+        layers,
         out,
     )
+    return out
+
+
+def _factored_model(model: torch.nn.Module, cfg) -> torch.nn.Module:
+    """`model` (factorized, trained) as a `FactoredLlamaForCausalLM` holding the same tensors, whose
+    config records the surgery so that `from_pretrained` rebuilds it."""
+    from effpretrain.models.factored_hf import FactoredLlamaConfig, FactoredLlamaForCausalLM
+
+    f = cfg.factor
+    factor = {
+        "kind": f.kind,
+        "rank": f.rank,
+        "alpha": f.alpha,
+        "targets": list(f.targets),
+        "density": f.density,
+        "seed": f.seed,
+    }
+    skip = {"model_type", "architectures", "transformers_version"}
+    llama = {k: v for k, v in model.config.to_dict().items() if k not in skip}
+    out = FactoredLlamaForCausalLM(FactoredLlamaConfig(factor=factor, **llama))
+    out.load_state_dict(model.state_dict())
     return out
 
 

@@ -450,8 +450,8 @@ def activation_terms(
     """The saved activations of one micro-batch of N = `batch_size` x `seq_len` tokens.
 
     A full block saves ``N (block_h h + mlp_i i) + N (8 + 4 heads) + rank_inputs N r e`` bytes
-    (`SavedBytes`; `rank_inputs` factorized layers per block each save their N x r intermediate at
-    the activation itemsize e); a checkpointed block (in `checkpointed`) keeps only its input
+    (`SavedBytes`; `rank_inputs`: the N x r tensors the factorized layers of a block save, at the
+    activation itemsize e: `FactorSpec.rank_saves` per layer); a checkpointed block (in `checkpointed`) keeps only its input
     (``N h`` at the residual itemsize). The base: token ids (8 N), the RoPE cos/sin tables
     (2 T d at the residual itemsize, saved once unless every block is checkpointed), the final
     norm (``final_norm_h N h + 4 N``) and, under autocast, the bf16 copy of the head's weight;
@@ -698,7 +698,7 @@ def estimate(
     t.finish()
     p = PRESETS[preset]
     ck = checkpointed_layers(activation_checkpointing, p.layers)
-    saves_rank = factor is not None and factor.saves_rank_input and not (warm_start and factor.warm_starts)
+    rank_saves = 0 if factor is None or (warm_start and factor.warm_starts) else factor.rank_saves
     acts = activation_terms(
         preset,
         vocab_size,
@@ -706,7 +706,7 @@ def estimate(
         seq_len,
         ck,
         dtype,
-        rank_inputs=len(set(targets) & set(ATTN_MLP_TARGETS)) if saves_rank else 0,
+        rank_inputs=len(set(targets) & set(ATTN_MLP_TARGETS)) * rank_saves,
         rank=factor_rank,
         linear_weights=_linear_elements(shapes, factor, targets, factor_rank, density),
         loss=loss,

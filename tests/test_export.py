@@ -56,3 +56,34 @@ def test_export_resolves_like_resume(tmp_path):
     with pytest.raises(ConfigError, match=r"^export: .*run holds no complete checkpoint$"):
         export(tmp_path / "run", tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("recipe", ["cola", "cola_m"])
+def test_export_ships_cola_factors_loadable_with_the_factored_class(recipe, tmp_path):
+    """CoLA has no dense weight (y = B silu(A x)): the export keeps A and B under a model type of
+    its own, which `effpretrain.models.factored_hf` registers; the loaded model gives our outputs."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from effpretrain.models import FACTOR_KINDS
+    from effpretrain.models.factored_hf import MODEL_TYPE, FactoredLlamaForCausalLM
+
+    cfg = load_config(ROOT / "recipes" / "tiny" / f"{recipe}.yaml", SMALL + ["factor.alpha=8"])
+    train(cfg, tmp_path / "run")
+    export(tmp_path / "run", tmp_path / "hf")
+    saved = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert saved["model_type"] == MODEL_TYPE and saved["architectures"] == ["FactoredLlamaForCausalLM"]
+    assert saved["factor"]["kind"] == recipe and saved["factor"]["rank"] == 8
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(hf) is FactoredLlamaForCausalLM
+    assert type(hf.model.layers[0].mlp.down_proj) is FACTOR_KINDS[recipe].layer
+    path = tmp_path / "run" / "checkpoints" / "step-3"
+    ours, _ = build_run_model(cfg, 512)
+    load_model_weights(ours, load_checkpoint(path)["model"], path)
+    ours.eval()
+    assert {n for n, _ in hf.named_parameters()} == {n for n, _ in ours.named_parameters()}
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ours(input_ids=ids).logits, hf(input_ids=ids).logits
+    assert torch.equal(a, b)

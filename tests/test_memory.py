@@ -233,7 +233,7 @@ def _check_against_measured(recipe, overrides, rel_peak=0.05):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "bf16-pure"])
-@pytest.mark.parametrize("recipe", ["adamw", "lowrank", "lora", "sltrain"])
+@pytest.mark.parametrize("recipe", ["adamw", "lowrank", "lora", "sltrain", "cola", "cola_m"])
 @pytest.mark.parametrize("checkpointing", [0, 1, [1, 3]])
 def test_activations_equal_saved_bytes(precision, recipe, checkpointing):
     """Exact: the activation formula per precision, factorization and checkpointing equals the

@@ -2,6 +2,8 @@
 
 from effpretrain.models.factorized import (
     FACTOR_KINDS,
+    CoLALinear,
+    CoLAMLinear,
     FactorSpec,
     LoRALinear,
     LowRankLinear,
@@ -24,6 +26,8 @@ from effpretrain.models.llama import (
 )
 
 __all__ = [
+    "CoLALinear",
+    "CoLAMLinear",
     "FACTOR_KINDS",
     "FactorSpec",
     "PRESETS",

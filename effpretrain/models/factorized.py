@@ -9,20 +9,22 @@ rank, alpha a fixed scale, s = alpha / r. Every layer keeps its factors as B (m 
 | LoRALinear    | W0 + s B A                 | B, A: r (m + n)     | W0: mn | B = 0, A Kaiming, W0 kept      |
 | ReLoRALinear  | W0 + s B A, merged every N | B, A: r (m + n)     | W0: mn | as LoRA                        |
 | SLTrainLinear | s B A + S (fixed support)  | B, A + S values nnz | -      | B = 0, A Kaiming, S U(+-1/rtn) |
+| CoLALinear    | none: y = B sigma(s A x)   | B, A: r (m + n)     | -      | B, A N(0, (r (m + n))^-1/2)    |
+| CoLAMLinear   | as CoLA, saves only s A x  | B, A: r (m + n)     | -      | as CoLA                        |
 
 (nnz = floor(delta m n); "rtn" is sqrt(n); SLTrain also holds an int64 index buffer of nnz
 elements; a bias, if the original Linear had one, is kept and trained.) "Kaiming-uniform" is
 nn.Linear's default init, U(+-1/sqrt(fan_in)): fan_in = n for A and r for B.
 
 Sources: Low-Rank and restarts, Glentis et al. 2025 (the benchmark); LoRA, Hu et al. 2021;
-ReLoRA, Lialin et al. 2023; SLTrain, Han et al. 2024. Two known bugs of public ReLoRA-style code
+ReLoRA, Lialin et al. 2023; SLTrain, Han et al. 2024; CoLA and CoLA-M, Liu et al. 2025. Two known bugs of public ReLoRA-style code
 are avoided by construction: B and A are never both zero-initialised (no gradient would ever
 reach either), and the optimizer state is only reset or pruned after B A was merged into W0 (else
 the update is lost).
 
 Every layer offers `factor_pair()` -> (B, A) for optimizers.refactorization.refactorize_ (SLTrain's
-sparse part is not part of the pair and is left alone) and `dense_weight()` -> the m x n effective
-weight (for export and merging).
+sparse part is not part of the pair and is left alone) and, except CoLA's (no dense equivalent),
+`dense_weight()` -> the m x n effective weight (for export and merging).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ from torch.autograd.function import once_differentiable
 from optimizers.momentum_reset import prune_, reset_, unwrap_optimizer
 
 __all__ = [
+    "COLA_ACTIVATIONS",
+    "CoLALinear",
+    "CoLAMLinear",
     "FACTOR_KINDS",
     "FactorSpec",
     "FactorizedLinear",
@@ -395,6 +400,128 @@ class SLTrainLinear(FactorizedLinear):
         return f"{super().extra_repr()}, density={self.density:g}, nnz={nnz}, seed={self.seed}"
 
 
+#: CoLA's nonlinearities sigma, by name. SiLU is the paper's (the model's hidden_act); "identity"
+#: makes CoLA Low-Rank exactly (the acceptance test), so it is kept as a choice, not a config knob.
+COLA_ACTIVATIONS: dict[str, Any] = {"silu": F.silu, "identity": lambda z: z}
+
+
+class CoLALinear(FactorizedLinear):
+    """Low-rank activation (CoLA, Liu et al. 2025): y = B sigma(s A x) + b, no dense weight.
+
+    The paper replaces every attention and MLP linear by ``B sigma(A x)``, sigma the model's
+    activation (SiLU), with no scale; here s = alpha / r multiplies the r-dim pre-activation as in
+    `LowRankLinear` (the recipes set alpha = r, so s = 1 as in the paper). With sigma the identity
+    this is `LowRankLinear` operation for operation. Because of sigma, B A is not the layer's
+    weight: no dense m x n W exists, so `dense_weight` refuses (export ships the factors) and the
+    pair cannot be refactorized (`FactorSpec.refactorizable` is False).
+
+    Init (the authors' alvin-zyl/CoLA cola/cola_layer.py, written here from its formula): A and B
+    i.i.d. N(0, sigma_0^2) with sigma_0 = (r (m + n))^(-1/4), so that each entry of B A has
+    variance r sigma_0^4 = 1 / (m + n) (Xavier's, for the product).
+
+    Memory: autograd saves, per layer and forward, besides x and the parameters (as for Low-Rank),
+    two N x r tensors: sigma's input s A x (for sigma') and its output (the second product's
+    input): ``FactorSpec.rank_saves = 2``. `CoLAMLinear` keeps one.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        rank: int,
+        alpha: float,
+        bias: nn.Parameter | bool | None = None,
+        activation: str = "silu",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, rank, alpha, bias, device, dtype)
+        if activation not in COLA_ACTIVATIONS:
+            raise ValueError(f"CoLA activation {activation!r}: choose one of {', '.join(COLA_ACTIVATIONS)}")
+        self.activation = activation
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """A, B ~ N(0, (r (m + n))^(-1/2)): Var((B A)_ij) = 1 / (m + n)."""
+        std = (self.rank * (self.in_features + self.out_features)) ** -0.25
+        nn.init.normal_(self.A, std=std)
+        nn.init.normal_(self.B, std=std)
+
+    def forward(self, x: Tensor) -> Tensor:
+        act = COLA_ACTIVATIONS[self.activation]
+        return F.linear(act(F.linear(x, self.A) * self.scale), self.B, self.bias)
+
+    def dense_weight(self) -> Tensor:
+        raise TypeError(
+            f"{type(self).__name__} has no dense weight: y = B {self.activation}(A x) is not linear in x"
+        )
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, activation={self.activation}"
+
+
+class _LowRankActivation(torch.autograd.Function):
+    """y = B sigma(z) + b with z = s A x, saving x, A, B and z (N x r) but not sigma(z).
+
+    Backward, with G = dy: h = sigma(z) recomputed (r-dim, cheap); dB = G^T h; dh = G B;
+    dz = sigma'(z) dh (autograd through sigma on the saved z, the same kernel as the plain
+    forward's); dA = s dz^T x; dx = s dz A; db = sum of G's rows.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, A: Tensor, B: Tensor, bias: Tensor | None, scale: float, act: str
+    ) -> Tensor:
+        z = F.linear(x, A) * scale
+        y = F.linear(COLA_ACTIVATIONS[act](z), B, bias)
+        ctx.scale, ctx.act = scale, act
+        ctx.save_for_backward(x, A, B, z)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+        x, A, B, z = ctx.saved_tensors
+        need_x, need_a, need_b, need_bias = ctx.needs_input_grad[:4]
+        g = dy.reshape(-1, dy.shape[-1])
+        with torch.enable_grad():
+            z_ = z.detach().requires_grad_(True)
+            h = COLA_ACTIVATIONS[ctx.act](z_)
+        d_b = torch.mm(g.t(), h.detach().reshape(-1, h.shape[-1])) if need_b else None
+        dh = torch.mm(g, B).view(z.shape)
+        (dz,) = torch.autograd.grad(h, z_, dh)
+        dz = dz * ctx.scale
+        d_a = torch.mm(dz.reshape(-1, dz.shape[-1]).t(), x.reshape(-1, x.shape[-1])) if need_a else None
+        dx = torch.matmul(dz, A) if need_x else None
+        d_bias = g.sum(0) if need_bias else None
+        return dx, d_a, d_b, d_bias, None, None
+
+
+class CoLAMLinear(CoLALinear):
+    """CoLA-M: `CoLALinear`'s function, init and parameters, keeping only the rank-r activation.
+
+    The authors' CoLA-M (alvin-zyl/CoLA cola/modeling_colam.py) restructures the decoder block so
+    that gradient checkpointing keeps only the low-rank activations sigma(A x) and the residual
+    stream, and recomputes the rest. Here it is a layer that saves, of its own activations, only
+    the N x r pre-activation z = s A x and recomputes sigma(z) (r-dim) in its backward: one N x r
+    tensor per layer instead of CoLA's two (``FactorSpec.rank_saves = 1``), outputs and gradients
+    equal to `CoLALinear`'s. It composes with ``train.activation_checkpointing``, which on a
+    checkpointed block keeps only the block's input (less than the paper's CoLA-M, at the cost of
+    recomputing the whole block). The recompute (sigma on N x r) is not counted in the FLOPs.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        tensors, bias, device = [x, self.A, self.B], self.bias, x.device.type
+        if not torch.is_autocast_enabled(device):
+            return _LowRankActivation.apply(*tensors, bias, self.scale, self.activation)
+        # As SLTrainLinear: autocast does not reach inside a custom Function, so cast as it would.
+        dtype = torch.get_autocast_dtype(device)
+        tensors = [t.to(dtype) for t in tensors]
+        bias = None if bias is None else bias.to(dtype)
+        with torch.autocast(device, enabled=False):
+            return _LowRankActivation.apply(*tensors, bias, self.scale, self.activation)
+
+
 @dataclass(frozen=True)
 class FactorSpec:
     """Every per-kind fact about a factorization (`factor.kind`), read by config, estimator,
@@ -412,9 +539,13 @@ class FactorSpec:
         materializes_dense: the forward forms the dense m x n weight (SLTrain as implemented).
         warm_starts: may train its frozen W0 full rank, factors frozen, for the first
             `factor.warm_start_steps` steps (ReLoRA's warm start); needs `frozen_dense`.
-        saves_rank_input: its forward saves the scaled r-dim intermediate s (A x) for backward
-            (tokens x r per layer; the second product's input). False for SLTrain, whose Function
-            saves only x (shared with the block) and its parameters.
+        rank_saves: how many tokens x r tensors its forward saves for backward per layer: 1 for
+            the scaled intermediate s (A x) (the second product's input); 0 for SLTrain, whose
+            Function saves only x (shared with the block) and its parameters; 2 for CoLA (sigma's
+            input and output), 1 for CoLA-M (sigma's input only, its output recomputed).
+        dense_equivalent: the layer is linear in x with an m x n weight (`dense_weight`), so export
+            can merge it into a plain Linear. False for CoLA (y = B sigma(A x)): export ships the
+            factors (effpretrain/export.py).
     """
 
     name: str
@@ -425,11 +556,14 @@ class FactorSpec:
     merges_at_restart: bool = False
     materializes_dense: bool = False
     warm_starts: bool = False
-    saves_rank_input: bool = True
+    rank_saves: int = 1
+    dense_equivalent: bool = True
 
     def __post_init__(self) -> None:
         if self.warm_starts and not self.frozen_dense:
             raise ValueError(f"factor kind {self.name!r}: warm_starts needs frozen_dense (a W0 to train)")
+        if self.refactorizable and not self.dense_equivalent:
+            raise ValueError(f"factor kind {self.name!r}: refactorizing needs B A to be the weight")
 
     def param_counts(
         self, m: int, n: int, rank: int, density: float = 0.03, bias: bool = False
@@ -481,8 +615,10 @@ FACTOR_KINDS: dict[str, FactorSpec] = {
             SLTrainLinear,
             sparse=True,
             materializes_dense=True,
-            saves_rank_input=False,
+            rank_saves=0,
         ),
+        FactorSpec("cola", CoLALinear, refactorizable=False, rank_saves=2, dense_equivalent=False),
+        FactorSpec("cola_m", CoLAMLinear, refactorizable=False, rank_saves=1, dense_equivalent=False),
     )
 }
 
@@ -536,7 +672,7 @@ def apply_factorization(
 
     Args:
         model: the model to modify.
-        kind: "lowrank", "lora", "relora" or "sltrain".
+        kind: a `FACTOR_KINDS` name ("lowrank", "lora", "relora", "sltrain", "cola", "cola_m").
         rank: r, at most min(m, n) of every target.
         alpha: the scale numerator (s = alpha / r).
         targets: attribute names of the Linear modules to replace.
@@ -638,8 +774,15 @@ def merge_factorized_(model: nn.Module) -> int:
 
     The new Linear has the same outputs up to the rounding of (B A) x vs B (A x) and keeps the
     original bias parameter. Returns the number of layers replaced.
+
+    Raises:
+        TypeError: a layer has no dense equivalent (CoLA); nothing is replaced then.
     """
     layers = factorized_layers(model)
+    kinds = tuple(spec.layer for spec in FACTOR_KINDS.values() if not spec.dense_equivalent)
+    bad = [(name, layer) for name, layer in layers if isinstance(layer, kinds)]
+    if bad:
+        raise TypeError(f"{bad[0][0]} ({type(bad[0][1]).__name__}) has no dense weight to merge")
     for name, layer in layers:
         w = layer.dense_weight()
         # Built on the meta device so no throwaway weight is allocated and initialised.
