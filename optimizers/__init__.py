@@ -89,6 +89,17 @@ def _clipped_update_transient(shape: tuple[int, ...], group: dict[str, Any], dty
     return 3 * math.prod(shape) * dtype.itemsize
 
 
+def _matrix_rule_transient(shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+    """`MatrixOptimizer` (Muon, SWAN, SinkGD, SCALE): an AdamW parameter holds ``sqrt(V)`` and the
+    denominator (``2 numel s``); a matrix weight's rule at most four fp32 working copies of the
+    m x n matrix, the update cast to the parameter dtype and four fp32 k x k Gram-sized products
+    (SWAN's whitening, the largest; k = min(m, n)): ``16 m n + s m n + 16 k^2``, an upper bound."""
+    if not group.get("matrix") or len(shape) != 2:
+        return 2 * math.prod(shape) * dtype.itemsize
+    m, n = shape
+    return (16 + dtype.itemsize) * m * n + 16 * min(m, n) ** 2
+
+
 def _fused_transient(shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
     """bitsandbytes' fused 8-bit AdamW kernel dequantises block by block: no full-size temporary."""
     return 0
@@ -114,6 +125,11 @@ class MethodSpec:
             (`step_transient_bytes`); default `_dense_update_transient`.
         foreach: the class steps every tensor at once (torch's foreach path), so the transients of
             all tensors are live together; otherwise one tensor at a time (the largest counts).
+        matrix_params: which weights get a whole-matrix group (``matrix=True``, `matrix_group`):
+            None (none), ``"hidden"`` (the attention/MLP linear weights the run targets: Muon, SWAN,
+            SinkGD) or ``"all"`` (every trainable matrix: the targets as role "hidden", embeddings
+            as "embedding", any other matrix, the LM head, as "head": SCALE). The trainer's param
+            groups and the estimator both read it (`matrix_role`).
     """
 
     name: str
@@ -125,6 +141,7 @@ class MethodSpec:
     shared_state_fn: Callable[[tuple[int, ...], dict[str, Any], torch.dtype], int] | None = None
     step_transient_fn: Callable[[tuple[int, ...], dict[str, Any], torch.dtype], int] | None = None
     foreach: bool = False
+    matrix_params: str | None = None
 
     @property
     def class_name(self) -> str:
@@ -152,7 +169,24 @@ class MethodSpec:
         """Some of its steps need a parameter's whole matrix (a projection basis, 8-bit blocks):
         under FSDP2 those run once on an owner rank (optimizers/_owners.py), and the class takes
         ``whole_matrix`` ("owner" | "gather") and ``bucket_bytes``."""
-        return self.projects or self.fsdp2_whole_state
+        return self.projects or self.fsdp2_whole_state or self.matrix_params is not None
+
+    def matrix_role(self, *, target: bool, embedding: bool, ndim: int) -> str | None:
+        """The matrix-group role of a trainable parameter (see ``matrix_params``), or None when it
+        gets no matrix group (AdamW): `target` is a linear weight the run targets (attention/MLP),
+        `embedding` an nn.Embedding weight."""
+        if self.matrix_params is None or ndim != 2:
+            return None
+        if target:
+            return "hidden"
+        if self.matrix_params == "all":
+            return "embedding" if embedding else "head"
+        return None
+
+    @staticmethod
+    def matrix_group(role: str) -> dict[str, Any]:
+        """The options of a whole-matrix param group (without ``params``) for `role`."""
+        return {"matrix": True, "role": role}
 
     @property
     def fixed_rank(self) -> int | None:
@@ -276,6 +310,30 @@ METHODS: dict[str, MethodSpec] = {
             target="optimizers.apollo:APOLLOMini",
             projects=True,
             step_transient_fn=_projected_transient,
+        ),
+        _spec(
+            name="muon",
+            target="optimizers.muon:Muon",
+            matrix_params="hidden",
+            step_transient_fn=_matrix_rule_transient,
+        ),
+        _spec(
+            name="swan",
+            target="optimizers.swan:SWAN",
+            matrix_params="hidden",
+            step_transient_fn=_matrix_rule_transient,
+        ),
+        _spec(
+            name="sinkgd",
+            target="optimizers.sinkgd:SinkGD",
+            matrix_params="hidden",
+            step_transient_fn=_matrix_rule_transient,
+        ),
+        _spec(
+            name="scale",
+            target="optimizers.scale:SCALE",
+            matrix_params="all",
+            step_transient_fn=_matrix_rule_transient,
         ),
     )
 }

@@ -422,8 +422,9 @@ def param_groups(
     weight_decay: float = ADAM["weight_decay"],
 ) -> list[dict[str, Any]]:
     """The toolkit's groups for method `name`: `matrices` projected (the registry's
-    `projection_group`) when the method projects, decayed otherwise; `dense` decayed; `vectors`
-    undecayed."""
+    `projection_group`) when the method projects, in a whole-matrix group (`matrix_group`) for a
+    whole-matrix method, decayed otherwise; `dense` decayed (a "head" matrix group for a method
+    that takes every matrix); `vectors` undecayed."""
     spec = optimizers.method_spec(name)
     groups: list[dict[str, Any]] = []
     if spec.projects:
@@ -432,6 +433,17 @@ def param_groups(
         )
         groups.append({"params": list(matrices), "weight_decay": weight_decay, **opts})
         decayed = list(dense)
+    elif spec.matrix_params is not None:
+        # A whole-matrix method (the registry's `matrix_role`): `matrices` as hidden weights, and
+        # `dense` as the head (its own role) where the method takes every matrix (SCALE).
+        decayed = list(dense)
+        for params, role in (
+            (matrices, spec.matrix_role(target=True, embedding=False, ndim=2)),
+            (dense, spec.matrix_role(target=False, embedding=False, ndim=2)),
+        ):
+            if params and role is not None:
+                groups.append({"params": list(params), "weight_decay": weight_decay, **spec.matrix_group(role)})
+                decayed = [] if params is dense else decayed
     else:
         decayed = [*matrices, *dense]
     if decayed:
