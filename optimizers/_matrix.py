@@ -50,9 +50,7 @@ EXP_AVG_SQ = "exp_avg_sq"
 ROLES: tuple[str, ...] = ("hidden", "embedding", "head")
 
 
-def adamw_step_(
-    p: torch.Tensor, g: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
-) -> None:
+def adamw_step_(p: torch.Tensor, g: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
     """One torch.optim.AdamW step (its single-tensor path, op for op) on plain tensors; the step
     count ``state["step"]`` has already been advanced."""
     beta1, beta2 = group["betas"]
@@ -188,7 +186,9 @@ class MatrixOptimizer(OwnerPlaced, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ step
 
-    def _step_one(self, p: torch.Tensor, g: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+    def _step_one(
+        self, p: torch.Tensor, g: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
+    ) -> None:
         state[STEP] += 1
         if group["matrix"]:
             self._matrix_update(p, g, state, group)
