@@ -117,7 +117,7 @@ class MatrixOptimizer(OwnerPlaced, torch.optim.Optimizer):
             raise ValueError(f"Invalid eps {eps} or weight_decay {weight_decay}: must be >= 0")
         self._init_owners(whole_matrix, bucket_bytes)
         self._adam_lr = adam_lr
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "adam_lr": adam_lr}
         defaults.update({**self.MATRIX_DEFAULTS, **options})
         super().__init__(params, defaults)
 
