@@ -218,8 +218,8 @@ class _Tally:
         if self.unit is not None:
             self.block_grads[self.unit] = self.block_grads.get(self.unit, 0) + self.stored(shape)
         group = group or {}
-        # Projected and whole-matrix (`MethodSpec.matrix_params`) weights step whole, on an owner.
-        whole = "rank" in group or bool(group.get("matrix")) or self.whole_state
+        # Projected and whole-matrix weights (`MethodSpec.steps_whole`) step whole, on an owner.
+        whole = self.method.steps_whole(group) or self.whole_state
         if whole and self.shard > 1:
             self.owned.append(
                 (

@@ -183,6 +183,14 @@ class MethodSpec:
             return "embedding" if embedding else "head"
         return None
 
+    def steps_whole(self, group: Mapping[str, Any]) -> bool:
+        """Whether a param group's weights step whole (a projected group, or a matrix group whose
+        role the class does not step row by row: `MatrixOptimizer.steps_whole`): under FSDP2 on
+        owner ranks, which alone hold their state."""
+        if "rank" in group or group.get("project"):
+            return True
+        return bool(group.get("matrix")) and self.cls.steps_whole(dict(group))
+
     @staticmethod
     def matrix_group(role: str) -> dict[str, Any]:
         """The options of a whole-matrix param group (without ``params``) for `role`."""

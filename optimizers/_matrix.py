@@ -29,6 +29,8 @@ sharded like the parameter). A matrix weight steps whole, once, on its owner ran
 row shards of W and G, runs exactly the single-process step and sends every rank its rows of the
 new W, so the result is bitwise that of one process given the same gradients and per-rank state
 is about 1/N of the total. ``whole_matrix="gather"`` all-gathers W and G on every rank instead.
+A method whose rule is row-local for some roles (`MatrixOptimizer.ROW_LOCAL_ROLES`) steps those on
+their row shards, like AdamW (`MatrixOptimizer.steps_whole`).
 """
 
 from __future__ import annotations
@@ -90,6 +92,10 @@ class MatrixOptimizer(OwnerPlaced, torch.optim.Optimizer):
 
     #: The method's options and their defaults (every group gets them).
     MATRIX_DEFAULTS: ClassVar[dict[str, Any]] = {}
+    #: Roles whose rule is row-local (each row's update depends on that row only, SCALE's row
+    #: normalisation): under FSDP2 they step on their row shards, state sharded like the weight,
+    #: with no exchange. Every other matrix steps whole on its owner rank.
+    ROW_LOCAL_ROLES: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,
@@ -117,7 +123,13 @@ class MatrixOptimizer(OwnerPlaced, torch.optim.Optimizer):
             raise ValueError(f"Invalid eps {eps} or weight_decay {weight_decay}: must be >= 0")
         self._init_owners(whole_matrix, bucket_bytes)
         self._adam_lr = adam_lr
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "adam_lr": adam_lr}
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "adam_lr": adam_lr,
+        }
         defaults.update({**self.MATRIX_DEFAULTS, **options})
         super().__init__(params, defaults)
 
@@ -151,12 +163,14 @@ class MatrixOptimizer(OwnerPlaced, torch.optim.Optimizer):
     # ------------------------------------------------------------------ the method's hooks
 
     def _init_matrix_state(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
-        """Allocates the method's state keys for matrix weight `p` (whole-shaped, plain)."""
+        """Allocates the method's state keys for matrix weight `p` (whole-shaped and plain; an
+        FSDP2 shard, a DTensor, for a row-local role)."""
 
     def _matrix_update(
         self, p: torch.Tensor, g: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
     ) -> None:
-        """Applies the rule to the whole weight `p` with gradient `g` (plain tensors), in place;
+        """Applies the rule to the whole weight `p` with gradient `g` (plain tensors; a row-local
+        role's local row shards, whose state tensors are read through `local`), in place;
         ``state["step"]`` has already been advanced."""
         raise NotImplementedError(f"{type(self).__name__} must define _matrix_update")
 
@@ -209,7 +223,7 @@ class MatrixOptimizer(OwnerPlaced, torch.optim.Optimizer):
             raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
         owned: list[tuple[dict[str, Any], torch.Tensor]] = []
         for (group, p), nonzero in zip(entries, nonzero_flags([p.grad for _, p in entries])):
-            whole_step = group["matrix"] and is_dtensor(p)
+            whole_step = self.steps_whole(group) and is_dtensor(p)
             if whole_step and self.whole_matrix == "owner":
                 if nonzero:
                     owned.append((group, p))
@@ -237,7 +251,15 @@ class MatrixOptimizer(OwnerPlaced, torch.optim.Optimizer):
 
     def _whole_step_params(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
         """The sharded matrix weights (they step whole), in the optimizer's order."""
-        return [(p, g) for g in self.param_groups for p in g["params"] if g["matrix"] and is_dtensor(p)]
+        return [
+            (p, g) for g in self.param_groups for p in g["params"] if self.steps_whole(g) and is_dtensor(p)
+        ]
+
+    @classmethod
+    def steps_whole(cls, group: dict[str, Any]) -> bool:
+        """Whether a group's weights need the whole matrix (a matrix group whose role is not
+        row-local): under FSDP2 they step on owner ranks, which alone hold their state."""
+        return bool(group.get("matrix", False)) and group.get("role", "hidden") not in cls.ROW_LOCAL_ROLES
 
     def _owner_steps(self, entries: list[tuple[dict[str, Any], torch.Tensor]]) -> None:
         """The matrix weights' steps, each once on its owner rank (a collective: every rank calls

@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import torch
 
 from optimizers._matrix import MatrixOptimizer
+from optimizers._sharded import local
 
 MOMENT1 = "moment1"
 """M, the head's momentum (the reference code's key)."""
@@ -40,11 +41,17 @@ class SCALE(MatrixOptimizer):
     sqrt (m / (sqrt(v) + eps) sqrt(bc2) / bc1), torch's AdamW used here inside: they differ only by
     eps (1e-8) placement. Options (every group): ``momentum`` beta (0.9).
 
+    Under FSDP2 the row-normalised roles (hidden, head) step on their row shards, the embedding
+    whole on its owner rank (`ROW_LOCAL_ROLES`).
+
     State: ``step`` (int); the head's ``moment1`` (its shape and dtype): ``s m n`` bytes; other
     matrices none (0 bytes); AdamW's ``2 s numel`` for vectors (s the itemsize; `state_bytes`).
     """
 
     MATRIX_DEFAULTS: ClassVar[dict[str, Any]] = {"momentum": 0.9}
+    #: Row normalisation is row-local: under FSDP2 hidden weights and the head step on their row
+    #: shards (the head's momentum sharded like it); the embedding's column norms need it whole.
+    ROW_LOCAL_ROLES: ClassVar[tuple[str, ...]] = ("hidden", "head")
 
     def _check_matrix_group(self, group: dict[str, Any]) -> None:
         if not 0.0 <= group["momentum"] < 1.0:
@@ -52,13 +59,13 @@ class SCALE(MatrixOptimizer):
 
     def _init_matrix_state(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
         if group["role"] == "head":
-            state[MOMENT1] = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+            state[MOMENT1] = torch.zeros_like(p)  # an FSDP2 shard's momentum stays a shard
 
     def _matrix_update(
         self, p: torch.Tensor, g: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
     ) -> None:
         if group["role"] == "head":
-            g = state[MOMENT1].lerp_(g, 1.0 - group["momentum"])
+            g = local(state[MOMENT1]).lerp_(g, 1.0 - group["momentum"])
         d = unit_rms(g, dim=0 if group["role"] == "embedding" else 1)
         p.mul_(1.0 - group["lr"] * group["weight_decay"])
         p.add_(d.to(p.dtype), alpha=-group["lr"])

@@ -150,11 +150,15 @@ WORKER = textwrap.dedent(
         ps = list(mod.parameters())
         mats, dense = ps[: len(MATS)], ps[len(MATS):]
         spec = optimizers.METHODS[name]
-        if spec.matrix_params:  # whole-matrix rules; the embedding-shaped matrix as SCALE's head
+        if spec.matrix_params:  # whole-matrix rules; SCALE: the last matrix as its head, p6 its embedding
             head = spec.matrix_role(target=False, embedding=False, ndim=2)
-            extra = [{"params": dense[:1], **spec.matrix_group(head)}, {"params": dense[1:]}] if head else [
-                {"params": dense}]
-            return [{"params": mats, **spec.matrix_group("hidden")}, *extra]
+            emb = spec.matrix_role(target=False, embedding=True, ndim=2)
+            out = [{"params": mats[:-1] if head else mats, **spec.matrix_group("hidden")}]
+            if head:
+                out.append({"params": mats[-1:], **spec.matrix_group(head)})
+            if emb:
+                return out + [{"params": dense[:1], **spec.matrix_group(emb)}, {"params": dense[1:]}]
+            return out + [{"params": dense}]
         if not spec.projects:
             return [{"params": ps, "min_8bit_size": 256}]
         proj = {"params": mats, **optimizers.METHODS[name].projection_group(rank=8, update_proj_gap=3, scale=0.5)}
@@ -213,11 +217,11 @@ WORKER = textwrap.dedent(
             singles = []
             for g in ref_opt.param_groups:
                 for p in g["params"]:
-                    whole = g.get("project") or g.get("matrix") or spec.fsdp2_whole_state
+                    whole = spec.steps_whole(g) or spec.fsdp2_whole_state
                     if whole:
                         singles.append(spec.state_bytes(tuple(p.shape), g, p.dtype))
             report[name] = {
-                "whole_step": [bool(g.get("project") or g.get("matrix") or spec.fsdp2_whole_state)
+                "whole_step": [bool(spec.steps_whole(g) or spec.fsdp2_whole_state)
                                for g in ref_opt.param_groups for _ in g["params"]],
                 "rel_diff": [float((a - b).norm() / b.norm()) for a, b in zip(mine, ref)],
                 "equal_to_one_process": [torch.equal(a, b) for a, b in zip(mine, ref)],

@@ -106,3 +106,16 @@ def test_adamw_part_is_torch_adamw() -> None:
 
 def test_rejects_vectors_and_unknown_options() -> None:
     matrix_checks.check_rejects_vectors_and_unknown_options("scale")
+
+
+def test_only_the_embedding_needs_the_whole_matrix() -> None:
+    """Row normalisation is row-local, so under FSDP2 hidden weights and the head step on their
+    row shards; the embedding's column norms need the whole matrix (an owner rank)."""
+    spec = optimizers.method_spec("scale")
+    assert [spec.steps_whole(spec.matrix_group(r)) for r in ("hidden", "head", "embedding")] == [
+        False,
+        False,
+        True,
+    ]
+    muon = optimizers.method_spec("muon")
+    assert muon.steps_whole(muon.matrix_group("hidden")) and not muon.steps_whole({})
