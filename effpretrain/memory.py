@@ -29,7 +29,7 @@ states in bf16, the paper's setting).
 Under FSDP2 weights, grads and element-wise states are sharded over ranks, while a projected
 matrix's low-rank moments and basis, and all the state of the 8-bit methods (adamw_8bit,
 galore_8bit: `MethodSpec.fsdp2_whole_state`) and a whole-matrix method's matrix weights' state
-(Muon, SCALE: `MethodSpec.matrix_params`), are whole-tensor state held by one owner rank per
+(Muon's momentum, SCALE's embedding: `MethodSpec.steps_whole`), are whole-tensor state held by one owner rank per
 parameter, placed as the optimizers place it (`optimizers.assign_owners`, optimizers/_owners.py);
 under DDP every rank holds all. Weights and gradients are rank 0's, the largest share (torch.chunk
 gives it ceil(rows / N) rows of every tensor); the optimizer state is the largest rank's, and
