@@ -28,7 +28,8 @@ The parameter shapes are those of the preset's LlamaForCausalLM built on PyTorch
 states in bf16, the paper's setting).
 Under FSDP2 weights, grads and element-wise states are sharded over ranks, while a projected
 matrix's low-rank moments and basis, and all the state of the 8-bit methods (adamw_8bit,
-galore_8bit: `MethodSpec.fsdp2_whole_state`), are whole-tensor state held by one owner rank per
+galore_8bit: `MethodSpec.fsdp2_whole_state`) and a whole-matrix method's matrix weights' state
+(Muon's momentum, SCALE's embedding: `MethodSpec.steps_whole`), are whole-tensor state held by one owner rank per
 parameter, placed as the optimizers place it (`optimizers.assign_owners`, optimizers/_owners.py);
 under DDP every rank holds all. Weights and gradients are rank 0's, the largest share (torch.chunk
 gives it ceil(rows / N) rows of every tensor); the optimizer state is the largest rank's, and
@@ -228,7 +229,8 @@ class _Tally:
         if self.unit is not None:
             self.block_grads[self.unit] = self.block_grads.get(self.unit, 0) + self.stored(shape)
         group = group or {}
-        whole = "rank" in group or self.whole_state
+        # Projected and whole-matrix weights (`MethodSpec.steps_whole`) step whole, on an owner.
+        whole = self.method.steps_whole(group) or self.whole_state
         if whole and self.shard > 1:
             self.owned.append(
                 (
@@ -333,15 +335,24 @@ def _tally_params(
     heads: dict[str, Any] | None = None,
 ) -> None:
     """Adds every parameter to `t`: factorized targets as their factors (or, in a warm start, as
-    their trained W0), projected targets with their whole low-rank state, the rest as dense
-    trainable tensors (the query and key weights with the `heads` group options, if any)."""
+    their trained W0), projected targets with their whole low-rank state, a whole-matrix method's
+    weights in their matrix group (`MethodSpec.matrix_role`, as the trainer's param groups), the
+    rest as dense trainable tensors (the query and key weights with the `heads` group options, if
+    any)."""
     for s in shapes:
         t.unit = _layer_of(s.name)
         if factor is not None and s.linear in factor_targets:
             t.params += _tally_factorized(t, *s.shape, factor, factor_rank, density, warm_start, restarts)
             continue
-        projected = proj_group is not None and s.linear in proj_targets
-        group = proj_group if projected else (heads if s.linear in HEAD_TARGETS else None)
+        target = s.linear in proj_targets
+        # nn.Embedding's weight is the only 2-D parameter of the model that no nn.Linear holds.
+        role = t.method.matrix_role(target=target, embedding=s.linear is None, ndim=len(s.shape))
+        if proj_group is not None and target:
+            group: dict[str, Any] | None = proj_group
+        elif role is not None:
+            group = t.method.matrix_group(role)
+        else:
+            group = heads if s.linear in HEAD_TARGETS else None
         t.trainable_tensor(s.shape, group)
         t.params += math.prod(s.shape)
         t.trainable += math.prod(s.shape)

@@ -133,11 +133,13 @@ def _head_dim(model: torch.nn.Module) -> int:
 
 def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str, Any]]:
     """Explicit rules (PAPER.md section 1): attention/MLP linear weights are projected for
-    projection methods; every other matrix gets AdamW with weight decay; vectors (norms,
-    biases) get no weight decay. Frozen parameters are left out. For a method with head blocks
-    (`MethodSpec.head_blocks`: Adam-mini) the query and key linear weights get a group of their
-    own carrying the head size (`memory.head_group`). A method that steps factor pairs
-    (`MethodSpec.steps_factor_pairs`: LORO) gets every (B, A) pair in one marked group first.
+    projection methods; a whole-matrix method's weights (`MethodSpec.matrix_params`, e.g. Muon's
+    attention/MLP weights, every matrix for SCALE) get ``matrix=True`` groups, one per role; every
+    other matrix gets AdamW with weight decay; vectors (norms, biases) get no weight decay.
+    Frozen parameters are left out. For a method with head blocks (`MethodSpec.head_blocks`:
+    Adam-mini) the query and key linear weights get a group of their own carrying the head size
+    (`memory.head_group`). A method that steps factor pairs (`MethodSpec.steps_factor_pairs`:
+    LORO) gets every (B, A) pair in one marked group first.
 
     With a warm start (`factor.warm_start_steps`) the groups are the same in both phases, so a
     checkpoint's optimizer state loads whichever phase wrote it: B and A are in the decay group
@@ -156,20 +158,22 @@ def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str,
     phased = w0s | {id(p) for layer in warm for p in layer.factor_pair()}
     heads = memory.head_group(o.name, _head_dim(model))
     proj, head, decay, no_decay = [], [], [], []
+    matrix: dict[str, list[torch.nn.Parameter]] = {}  # whole-matrix groups by role (registry)
     for mod_name, module in model.named_modules():
         attr = mod_name.rsplit(".", 1)[-1]
         for pname, p in module.named_parameters(recurse=False):
             if id(p) in w0s or not (p.requires_grad or id(p) in phased):
                 continue
-            if (
-                projected_method
-                and isinstance(module, torch.nn.Linear)
-                and attr in targets
-                and pname == "weight"
-            ):
+            target = isinstance(module, torch.nn.Linear) and attr in targets and pname == "weight"
+            role = spec.matrix_role(
+                target=target, embedding=isinstance(module, torch.nn.Embedding), ndim=p.ndim
+            )
+            if projected_method and target:
                 proj.append(p)
             elif heads and isinstance(module, torch.nn.Linear) and attr in memory.HEAD_TARGETS:
                 head.append(p)
+            elif role is not None:
+                matrix.setdefault(role, []).append(p)
             elif p.ndim < 2:
                 no_decay.append(p)
             else:
@@ -191,6 +195,8 @@ def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str,
         groups.append({"params": proj, "weight_decay": o.weight_decay, **memory.projection_group(o)})
     if head:
         groups.append({"params": head, "weight_decay": o.weight_decay, **heads})
+    for role, params in matrix.items():
+        groups.append({"params": params, "weight_decay": o.weight_decay, **spec.matrix_group(role)})
     if decay:
         groups.append({"params": decay, "weight_decay": o.weight_decay})
     if no_decay:

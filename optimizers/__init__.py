@@ -97,6 +97,15 @@ def _one_temporary_transient(shape: tuple[int, ...], group: dict[str, Any], dtyp
     (written over sqrt(V) + eps, or the fused kernel's output; a pair's exact step adds
     `pair_step_transient_bytes`)."""
     return math.prod(shape) * dtype.itemsize
+def _matrix_rule_transient(shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+    """`MatrixOptimizer` (Muon, SWAN, SinkGD, SCALE): an AdamW parameter holds ``sqrt(V)`` and the
+    denominator (``2 numel s``); a matrix weight's rule at most four fp32 working copies of the
+    m x n matrix, the update cast to the parameter dtype and four fp32 k x k Gram-sized products
+    (SWAN's whitening, the largest; k = min(m, n)): ``16 m n + s m n + 16 k^2``, an upper bound."""
+    if not group.get("matrix") or len(shape) != 2:
+        return 2 * math.prod(shape) * dtype.itemsize
+    m, n = shape
+    return (16 + dtype.itemsize) * m * n + 16 * min(m, n) ** 2
 
 
 def _fused_transient(shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
@@ -135,6 +144,11 @@ class MethodSpec:
         restart_period_arg: the constructor keyword that receives ``restarts.every``: a schedule
             the method keeps in step with the restarts that refresh its state (LORO's exact steps);
             such a method needs ``restarts.every > 0``.
+        matrix_params: which weights get a whole-matrix group (``matrix=True``, `matrix_group`):
+            None (none), ``"hidden"`` (the attention/MLP linear weights the run targets: Muon, SWAN,
+            SinkGD) or ``"all"`` (every trainable matrix: the targets as role "hidden", embeddings
+            as "embedding", any other matrix, the LM head, as "head": SCALE). The trainer's param
+            groups and the estimator both read it (`matrix_role`).
     """
 
     name: str
@@ -153,6 +167,7 @@ class MethodSpec:
     def head_block_group(self, head_dim: int) -> dict[str, Any]:
         """The group options of the query and key weights (empty unless `head_blocks`)."""
         return {"block_rows": int(head_dim)} if self.head_blocks else {}
+    matrix_params: str | None = None
 
     @property
     def class_name(self) -> str:
@@ -180,7 +195,32 @@ class MethodSpec:
         """Some of its steps need a parameter's whole matrix (a projection basis, 8-bit blocks):
         under FSDP2 those run once on an owner rank (optimizers/_owners.py), and the class takes
         ``whole_matrix`` ("owner" | "gather") and ``bucket_bytes``."""
-        return self.projects or self.fsdp2_whole_state
+        return self.projects or self.fsdp2_whole_state or self.matrix_params is not None
+
+    def matrix_role(self, *, target: bool, embedding: bool, ndim: int) -> str | None:
+        """The matrix-group role of a trainable parameter (see ``matrix_params``), or None when it
+        gets no matrix group (AdamW): `target` is a linear weight the run targets (attention/MLP),
+        `embedding` an nn.Embedding weight."""
+        if self.matrix_params is None or ndim != 2:
+            return None
+        if target:
+            return "hidden"
+        if self.matrix_params == "all":
+            return "embedding" if embedding else "head"
+        return None
+
+    def steps_whole(self, group: Mapping[str, Any]) -> bool:
+        """Whether a param group's weights step whole (a projected group, or a matrix group whose
+        role the class does not step row by row: `MatrixOptimizer.steps_whole`): under FSDP2 on
+        owner ranks, which alone hold their state."""
+        if "rank" in group or group.get("project"):
+            return True
+        return bool(group.get("matrix")) and self.cls.steps_whole(dict(group))
+
+    @staticmethod
+    def matrix_group(role: str) -> dict[str, Any]:
+        """The options of a whole-matrix param group (without ``params``) for `role`."""
+        return {"matrix": True, "role": role}
 
     @property
     def fixed_rank(self) -> int | None:
@@ -335,6 +375,30 @@ METHODS: dict[str, MethodSpec] = {
             steps_factor_pairs=True,
             restart_period_arg="exact_every",
             step_transient_fn=_one_temporary_transient,
+        ),
+        _spec(
+            name="muon",
+            target="optimizers.muon:Muon",
+            matrix_params="hidden",
+            step_transient_fn=_matrix_rule_transient,
+        ),
+        _spec(
+            name="swan",
+            target="optimizers.swan:SWAN",
+            matrix_params="hidden",
+            step_transient_fn=_matrix_rule_transient,
+        ),
+        _spec(
+            name="sinkgd",
+            target="optimizers.sinkgd:SinkGD",
+            matrix_params="hidden",
+            step_transient_fn=_matrix_rule_transient,
+        ),
+        _spec(
+            name="scale",
+            target="optimizers.scale:SCALE",
+            matrix_params="all",
+            step_transient_fn=_matrix_rule_transient,
         ),
     )
 }

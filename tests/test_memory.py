@@ -119,6 +119,38 @@ def test_weights_plus_state_match_paper(preset, method, rank, target, tol):
     assert abs(est.weights_plus_optimizer - target) / target <= tol
 
 
+@pytest.mark.parametrize(
+    "method, target",
+    [
+        # Issue 18's acceptance figures (OptimAI-Lab/Minimalist_LLM_Pretraining README, 1B, bf16).
+        ("swan", 3.20e9),  # AdamW on embeddings, head, vectors; hidden matrices stateless
+        ("scale", 2.81e9),  # momentum on the LM head only, AdamW on vectors
+        # Muon as implemented (momentum on hidden matrices, AdamW on embeddings, head, vectors, as
+        # Muon and torch.optim.Muon prescribe). The README's 5.36 GB is exactly twice the weights,
+        # i.e. one buffer for every parameter, embeddings and head included: our figure is 4.8% above.
+        ("muon", 5.62e9),
+    ],
+)
+def test_whole_matrix_methods_weights_plus_state_match_paper(method, target):
+    est = estimate("llama_1b", method, dtype="bf16-pure")
+    assert abs(est.weights_plus_optimizer - target) / target <= 0.01
+    if method == "muon":  # the README's figure is weights + one bf16 buffer per parameter
+        assert est.weights_plus_optimizer > 1.04 * 2 * est.weights
+
+
+def test_whole_matrix_state_is_owner_placed_under_fsdp2():
+    """Muon's and SCALE's whole-matrix state sits on owner ranks: the ranks' state adds up to one
+    process's (less the AdamW step scalars, none here), and no rank holds more than 1/N of it plus
+    the largest single matrix's."""
+    for method in ("muon", "scale"):
+        one = estimate("llama_1b", method, dtype="bf16-pure")
+        est = estimate("llama_1b", method, dtype="bf16-pure", world_size=8, sharding="fsdp2")
+        per_rank = est.detail["optimizer_state_per_rank"]
+        assert sum(per_rank) == one.optimizer_state
+        largest = 32000 * 2048 * 2  # the head's momentum (SCALE), larger than any hidden matrix's
+        assert max(per_rank) <= one.optimizer_state / 8 + largest
+
+
 def test_galore_state_formula_by_hand():
     """GaLore per projected m x n matrix: basis min(m,n) x r + two moments r x max(m,n) (PAPER.md 3)."""
     from effpretrain.config import OptimConfig

@@ -102,7 +102,18 @@ def test_bad_world_is_an_error():
 
 # ------------------------------------------------------------------ 2 and 3 processes
 
-METHODS = ["galore", "fira", "apollo", "apollo_mini", "galore_8bit", "adamw_8bit"]
+METHODS = [
+    "galore",
+    "fira",
+    "apollo",
+    "apollo_mini",
+    "galore_8bit",
+    "adamw_8bit",
+    "muon",
+    "swan",
+    "sinkgd",
+    "scale",
+]
 
 WORKER = textwrap.dedent(
     """
@@ -138,7 +149,17 @@ WORKER = textwrap.dedent(
     def groups(name, mod):
         ps = list(mod.parameters())
         mats, dense = ps[: len(MATS)], ps[len(MATS):]
-        if not optimizers.METHODS[name].projects:
+        spec = optimizers.METHODS[name]
+        if spec.matrix_params:  # whole-matrix rules; SCALE: the last matrix as its head, p6 its embedding
+            head = spec.matrix_role(target=False, embedding=False, ndim=2)
+            emb = spec.matrix_role(target=False, embedding=True, ndim=2)
+            out = [{"params": mats[:-1] if head else mats, **spec.matrix_group("hidden")}]
+            if head:
+                out.append({"params": mats[-1:], **spec.matrix_group(head)})
+            if emb:
+                return out + [{"params": dense[:1], **spec.matrix_group(emb)}, {"params": dense[1:]}]
+            return out + [{"params": dense}]
+        if not spec.projects:
             return [{"params": ps, "min_8bit_size": 256}]
         proj = {"params": mats, **optimizers.METHODS[name].projection_group(rank=8, update_proj_gap=3, scale=0.5)}
         return [proj, {"params": dense}]
@@ -196,11 +217,11 @@ WORKER = textwrap.dedent(
             singles = []
             for g in ref_opt.param_groups:
                 for p in g["params"]:
-                    whole = g.get("project") or spec.fsdp2_whole_state
+                    whole = spec.steps_whole(g) or spec.fsdp2_whole_state
                     if whole:
                         singles.append(spec.state_bytes(tuple(p.shape), g, p.dtype))
             report[name] = {
-                "whole_step": [bool(g.get("project") or spec.fsdp2_whole_state)
+                "whole_step": [bool(spec.steps_whole(g) or spec.fsdp2_whole_state)
                                for g in ref_opt.param_groups for _ in g["params"]],
                 "rel_diff": [float((a - b).norm() / b.norm()) for a, b in zip(mine, ref)],
                 "equal_to_one_process": [torch.equal(a, b) for a, b in zip(mine, ref)],
