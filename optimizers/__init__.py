@@ -97,6 +97,8 @@ def _one_temporary_transient(shape: tuple[int, ...], group: dict[str, Any], dtyp
     (written over sqrt(V) + eps, or the fused kernel's output; a pair's exact step adds
     `pair_step_transient_bytes`)."""
     return math.prod(shape) * dtype.itemsize
+
+
 def _matrix_rule_transient(shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
     """`MatrixOptimizer` (Muon, SWAN, SinkGD, SCALE): an AdamW parameter holds ``sqrt(V)`` and the
     denominator (``2 numel s``); a matrix weight's rule at most four fp32 working copies of the
@@ -163,11 +165,11 @@ class MethodSpec:
     head_blocks: bool = False
     steps_factor_pairs: bool = False
     restart_period_arg: str | None = None
+    matrix_params: str | None = None
 
     def head_block_group(self, head_dim: int) -> dict[str, Any]:
         """The group options of the query and key weights (empty unless `head_blocks`)."""
         return {"block_rows": int(head_dim)} if self.head_blocks else {}
-    matrix_params: str | None = None
 
     @property
     def class_name(self) -> str:
