@@ -267,7 +267,10 @@ def wrap_restarts(
         )
     pairs = factor_pairs(model) if (r.refactorize and spec is not None and spec.refactorizable) else []
     if r.refactorize and not pairs and kind != "none":
-        raise ConfigError(f"restarts.refactorize needs a low-rank factorization (factor.kind={kind})")
+        raise ConfigError(
+            f"restarts.refactorize=true but factor.kind={kind} cannot be refactorized "
+            "(B A is not its weight); set restarts.refactorize=false"
+        )
     return Restarts(opt, pairs, r.every, refactorize=bool(pairs), reset_momentum=r.reset_momentum)
 
 
