@@ -267,14 +267,14 @@ class MatrixOptimizer(OwnerPlaced, torch.optim.Optimizer):
         owners = self.owner_ranks()
         assert owners is not None
         where = {id(p): group for group, p in entries}
-        for bucket in owners.buckets([p for _, p in entries]):
-            wholes = owners.gather(bucket)
-            for p, (weight, grad) in wholes.items():
-                group, state = where[id(p)], self.state[p]
-                if not state:
-                    self._init_state(weight, group, state)  # whole-shaped: plain tensors
-                self._step_one(weight, grad, state, group)
-            owners.scatter(bucket, {p: weight for p, (weight, _) in wholes.items()})
+
+        def step(p: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) -> None:
+            group, state = where[id(p)], self.state[p]
+            if not state:
+                self._init_state(weight, group, state)  # whole-shaped: plain tensors
+            self._step_one(weight, grad, state, group)
+
+        owners.step_each([p for _, p in entries], step)
 
     # ------------------------------------------------------------------ checkpoint
 

@@ -37,12 +37,12 @@ through them, as it counts the gather path's all-gathers.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from optimizers._sharded import COMM, CommCounter, local
+from optimizers._sharded import COMM, local
 
 DEFAULT_BUCKET_BYTES = 1 << 26
 """Bytes of whole W and G one owner gathers per bucket (64 MiB; a larger parameter goes alone)."""
@@ -184,10 +184,6 @@ class OwnerRanks:
         owners = assign_owners(list(zip(costs, states)), self.world)
         self._owner = {id(p): o for p, o in zip(params, owners)}
         self._order = {id(p): i for i, p in enumerate(params)}
-        self.owners = owners
-
-    def __contains__(self, p: torch.Tensor) -> bool:
-        return id(p) in self._owner
 
     def owner(self, p: torch.Tensor) -> int:
         """The rank that steps `p` and holds its state."""
@@ -211,6 +207,17 @@ class OwnerRanks:
             out[-1].append(p)
             load[o] = load.get(o, 0) + size
         return out
+
+    def step_each(
+        self, params: Sequence[torch.Tensor], step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+    ) -> None:
+        """Bucket by bucket: `gather`, ``step(p, W, G)`` on each parameter this rank owns (updating
+        the whole W in place), `scatter` (a collective: every rank calls it with the same `params`)."""
+        for bucket in self.buckets(params):
+            wholes = self.gather(bucket)
+            for p, (weight, grad) in wholes.items():
+                step(p, weight, grad)
+            self.scatter(bucket, {p: weight for p, (weight, _) in wholes.items()})
 
     def _rows(self, p: torch.Tensor) -> list[int]:
         return shard_rows(p.shape[0], self.world)
@@ -322,7 +329,6 @@ __all__ = [
     "COMM",
     "DEFAULT_BUCKET_BYTES",
     "WHOLE_MATRIX_PATHS",
-    "CommCounter",
     "OwnerPlaced",
     "OwnerRanks",
     "assign_owners",

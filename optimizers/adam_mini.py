@@ -174,11 +174,7 @@ class AdamMini(OwnerPlaced, torch.optim.Optimizer):
         if owned:
             owners = self.owner_ranks()
             assert owners is not None
-            for bucket in owners.buckets(owned):
-                wholes = owners.gather(bucket)
-                for p, (weight, grad) in wholes.items():
-                    self._param_step(weight, grad, self.state[p], where[id(p)])
-                owners.scatter(bucket, {p: weight for p, (weight, _) in wholes.items()})
+            owners.step_each(owned, lambda p, w, g: self._param_step(w, g, self.state[p], where[id(p)]))
         return loss
 
 

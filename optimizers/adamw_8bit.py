@@ -119,20 +119,22 @@ class AdamW8bit(OwnerPlaced, bnb.optim.AdamW8bit):
                 loss = closure()
         owners = self.owner_ranks()
         if owners is None:
-            self._step_whole({p: (whole(p), whole(p.grad)) for _, _, p in sharded if p.grad is not None})
-            for _, _, p in sharded:
-                if p.grad is not None:
-                    write_whole_(p, self._stepped.pop(p))
+            stepped = self._step_whole(
+                {p: (whole(p), whole(p.grad)) for _, _, p in sharded if p.grad is not None}
+            )
+            for p, full in stepped.items():
+                write_whole_(p, full)
             return loss
         for bucket in owners.buckets([p for _, _, p in sharded if p.grad is not None]):
-            self._step_whole(owners.gather(bucket))
-            owners.scatter(bucket, {p: self._stepped.pop(p) for p in list(self._stepped)})
+            owners.scatter(bucket, self._step_whole(owners.gather(bucket)))
         return loss
 
-    def _step_whole(self, wholes: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _step_whole(
+        self, wholes: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+    ) -> dict[torch.Tensor, torch.Tensor]:
         """bitsandbytes' step of the weights in `wholes` (param -> whole W, G) only: each is swapped
         into its group as a plain tensor for the step (its state moved along), every other weight's
-        gradient is hidden; the stepped whole W go to ``self._stepped``."""
+        gradient is hidden. Returns param -> the stepped whole W."""
         swaps, hidden = [], []
         for group in self.param_groups:
             for i, p in enumerate(group["params"]):
@@ -152,13 +154,12 @@ class AdamW8bit(OwnerPlaced, bnb.optim.AdamW8bit):
             # Restored even on error: param_groups and state are keyed by the real parameters.
             for p, grad in hidden:
                 p.grad = grad
-            self._stepped = {}
             for group, i, p, full in swaps:
                 group["params"][i] = p
                 if full in self.state:
                     self.state[p] = self.state.pop(full)
                 full.grad = None
-                self._stepped[p] = full.detach()
+        return {p: full.detach() for _, _, p, full in swaps}
 
     @classmethod
     def state_bytes(cls, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:

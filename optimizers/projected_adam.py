@@ -869,16 +869,16 @@ class ProjectedAdam(OwnerPlaced, torch.optim.Optimizer):
         owners = self.owner_ranks()
         assert owners is not None
         where = {id(p): (group, idx) for group, p, idx in entries}
-        for bucket in owners.buckets([p for _, p, _ in entries]):
-            wholes = owners.gather(bucket)
-            for p, (weight, grad) in wholes.items():
-                group, idx = where[id(p)]
-                state = self.state[p]
-                if not state:
-                    self._init_state(weight, group, state, idx)  # whole-shaped: plain tensors
-                step_fn = self._projected_step if group["project"] else self._dense_step
-                step_fn(weight, grad, state, group)
-            owners.scatter(bucket, {p: weight for p, (weight, _) in wholes.items()})
+
+        def step(p: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) -> None:
+            group, idx = where[id(p)]
+            state = self.state[p]
+            if not state:
+                self._init_state(weight, group, state, idx)  # whole-shaped: plain tensors
+            step_fn = self._projected_step if group["project"] else self._dense_step
+            step_fn(weight, grad, state, group)
+
+        owners.step_each([p for _, p, _ in entries], step)
 
     def _whole_step_sharded(
         self,
