@@ -293,7 +293,13 @@ class TrainConfig:
     min_lr_ratio: Fraction = 0.1
     """Final learning rate as a fraction of `optim.lr`."""
     grad_clip: NonNegativeFloat = 1.0
-    """Global gradient-norm clipping threshold; 0 disables."""
+    """Global gradient-norm clipping threshold; 0 disables. With `train.update_in_backward` the
+    coefficient comes from the previous step's global norm (the first step is not clipped)."""
+    update_in_backward: bool = False
+    """Update each parameter inside backward as soon as its gradient is final, and free the
+    gradient at once (`effpretrain.in_backward`): gradient memory falls from every gradient to the
+    accumulators (low rank for GaLore's matrices between refreshes) plus the gradients in flight.
+    Clipping then uses the previous step's norm (README: Updates in backward)."""
     loss: Literal["standard", "chunked", "chunked_recompute"] = "chunked"
     """How the cross-entropy over the LM head is computed (same value and gradients):
     `standard` forms the (tokens x vocabulary) logits; `chunked` and `chunked_recompute`

@@ -29,6 +29,7 @@ from effpretrain import evaluation, fsdp, memory, memory_measure
 from effpretrain.config import RunConfig, apply_overrides, dump_yaml, from_dict, to_dict, validate
 from effpretrain.errors import ConfigError
 from effpretrain.evaluation import EvalResult
+from effpretrain.in_backward import InBackward
 from effpretrain.launch import check_launch, make_accelerator
 from effpretrain.loss import token_loss_sum
 from effpretrain.models import set_activation_checkpointing
@@ -57,7 +58,7 @@ EXACTNESS_KEYS = {
     "factor": None,
     "optim": ("name", "rank", "update_proj_gap", "proj_type", "basis", "targets", "extra"),
     "data": None,
-    "train": ("batch_size", "grad_accum", "seed", "precision"),
+    "train": ("batch_size", "grad_accum", "seed", "precision", "update_in_backward"),
 }
 
 
@@ -188,6 +189,7 @@ class Trainer:
     def _set_up_model_and_optimizer(self, model: torch.nn.Module) -> None:
         opt, self.sched = build_optimizer_and_schedule(model, self.cfg)
         self.inner_opt = opt
+        self.inb: InBackward | None = None
         if self.fsdp:
             # Not through acc.prepare: without Accelerate's FSDP plugin it would wrap in DDP.
             self.model, self.opt = model, opt
@@ -201,6 +203,21 @@ class Trainer:
             raise ConfigError(
                 f"{self.world} processes but the model is not wrapped in DDP (got {type(self.model).__name__})"
             )
+        self._set_up_in_backward()
+
+    def _set_up_in_backward(self) -> None:
+        """`train.update_in_backward`: the hooks that step each parameter inside backward, on the
+        parameters that train now (again after a warm start's switch)."""
+        if not self.cfg.train.update_in_backward:
+            return
+        if self.inb is not None:
+            self.inb.remove()
+        prev = self.inb.prev_norm if self.inb is not None else None
+        if self.world > 1 and not self.fsdp:
+            raise ConfigError("train.update_in_backward is not supported with dist.sharding=ddp yet")
+        params = list(self.acc.unwrap_model(self.model).parameters())
+        self.inb = InBackward(params, self.inner_opt, max_norm=self.cfg.train.grad_clip)
+        self.inb.prev_norm = prev
 
     @property
     def tokens_per_step(self) -> int:
@@ -352,6 +369,7 @@ class Trainer:
         self.grad_bytes = 0
         if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
             self._rewrap_ddp()
+        self._set_up_in_backward()
         log.info("step %d: warm start done, training the factors from here", self.progress.step)
 
     def _rewrap_ddp(self) -> None:
@@ -439,20 +457,57 @@ class Trainer:
         return summary
 
     def _train_step(self) -> tuple[float, float, bool]:
-        """Accumulates one global batch, clips, steps; returns (loss, grad_norm, finite)."""
+        """Accumulates one global batch, clips, steps; returns (loss, grad_norm, finite).
+
+        With `train.update_in_backward` the parameters were already updated inside the backward
+        passes (`effpretrain.in_backward`); what is left is the wrapper's bookkeeping (restarts),
+        which ``optimizer.step()`` runs on no gradients, and the schedule."""
         snap = self.stream.snapshot()
+        loss = self._forward_backward()
+        if self.inb is not None:
+            gnorm = self.inb.finish()
+            self.opt_seconds += self.inb.step_seconds
+            self.inb.step_seconds = 0.0
+            # A step that updated any parameter has happened: it counts, and the data moves on.
+            finite = len(self.inb.params) > self.inb.skipped
+            if self.inb.skipped:
+                log.warning(
+                    "step %d: %d parameters with non-finite gradients were not updated",
+                    self.progress.step + 1,
+                    self.inb.skipped,
+                )
+        else:
+            # One norm for every launch mode (fp64 partial sums): one process, DDP and FSDP2 clip alike.
+            gnorm = fsdp.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
+            finite = math.isfinite(loss) and math.isfinite(gnorm)
+        if finite:
+            t0 = time.perf_counter()
+            self.opt.step()
+            self.opt_seconds += time.perf_counter() - t0
+            self.sched.step()
+        else:
+            # Nothing advances on a skipped step: not the schedule, the optimizer, nor the data.
+            self.stream.restore(snap)
+        self.opt.zero_grad(set_to_none=True)
+        return loss, gnorm, finite
+
+    def _forward_backward(self) -> float:
+        """The global batch's micro-steps (forward and backward each); its token-mean loss."""
         micro, n_targets = self.batches.next_step()
         dev, K = self.acc.device, len(micro)
         n_targets = max(n_targets, 1)  # an all-padding batch contributes zero loss, never NaN
         loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
         for k, mb in enumerate(micro):
             mb = {key: v.to(dev) for key, v in mb.items()}
+            last = k == K - 1
+            if self.inb is not None:
+                self.inb.begin_micro(k, K)
             if self.fsdp:
                 # Reduce-scatter only on the last micro-step; earlier ones accumulate unsharded grads.
-                self.model.set_requires_gradient_sync(k == K - 1)
+                self.model.set_requires_gradient_sync(last)
                 sync = contextlib.nullcontext()
             else:
-                sync = contextlib.nullcontext() if k == K - 1 else self.acc.no_sync(self.model)
+                sync = contextlib.nullcontext() if last else self.acc.no_sync(self.model)
             with sync, self.acc.autocast():
                 t = self.cfg.train
                 s, _ = token_loss_sum(
@@ -465,20 +520,7 @@ class Trainer:
                 # DDP and FSDP2 average gradients over ranks: scale so the result is the global token mean.
                 self.acc.backward(s * (self.world / n_targets))
             loss_sum += s.detach()
-        loss = self.acc.reduce(loss_sum, reduction="sum").item() / n_targets
-        # One norm for every launch mode (fp64 partial sums): one process, DDP and FSDP2 clip alike.
-        gnorm = fsdp.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
-        finite = math.isfinite(loss) and math.isfinite(gnorm)
-        if finite:
-            t0 = time.perf_counter()
-            self.opt.step()
-            self.opt_seconds += time.perf_counter() - t0
-            self.sched.step()
-        else:
-            # Nothing advances on a skipped step: not the schedule, the optimizer, nor the data.
-            self.stream.restore(snap)
-        self.opt.zero_grad(set_to_none=True)
-        return loss, gnorm, finite
+        return self.acc.reduce(loss_sum, reduction="sum").item() / n_targets
 
     def _grad_bytes(self) -> int:
         # Per rank: a sharded parameter's gradient is its local shard.
@@ -523,6 +565,8 @@ class Trainer:
             "sharding": self._sharding(),
             "config": to_dict(self.cfg),
         }
+        if self.inb is not None:
+            st["in_backward"] = self.inb.state_dict()
         if torch.cuda.is_available():
             st["rng_cuda"] = torch.cuda.get_rng_state()
         return st
@@ -635,6 +679,8 @@ class Trainer:
                     f"checkpoint {path}: optimizer state does not match ({e})".splitlines()[0]
                 ) from None
         self.sched.load_state_dict(tr["scheduler"])
+        if self.inb is not None:
+            self.inb.load_state_dict(tr.get("in_backward", {}))
         self._load_data_state(tr["data"], path)
         torch.set_rng_state(tr["rng_cpu"])
         if "rng_cuda" in tr and torch.cuda.is_available():

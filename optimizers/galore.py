@@ -35,6 +35,8 @@ class GaLoreAdamW(ProjectedAdam):
     non-projected 2 s m n (see `ProjectedAdam.state_bytes`).
     """
 
+    PROJECTED_GRAD_ONLY = True  # the update is alpha back(Adam(R)): G enters only through R
+
     def _projected_update(self, s: ProjectedStep) -> tuple[Direction, float]:
         """alpha back(N). On one side back(N) = N P or P N is returned as that factor pair, so that
         it is applied as one fused addmm_ into W with no m x n temporary; alpha folds into the

@@ -589,6 +589,11 @@ class ProjectedAdam(OwnerPlaced, torch.optim.Optimizer):
     EXTRA_STATE: ClassVar[dict[str, torch.dtype | None]] = {}
     #: Moment storage (init / update / bytes of ``exp_avg`` and ``exp_avg_sq``).
     MOMENTS: ClassVar[type[AdamMoments]] = AdamMoments
+    #: Whether the update reads the gradient only through R = proj(G) (GaLore), so that one step's
+    #: micro-batch gradients may be summed as R_k = proj(G_k) in an r x max(m, n) accumulator
+    #: (`accumulation_basis`, the trainer's ``train.update_in_backward``). Fira (its residual
+    #: G - back(R)) and APOLLO (its channel scaling of G itself) read G: False.
+    PROJECTED_GRAD_ONLY: ClassVar[bool] = False
     #: Seeded random streams of ``basis="random"`` by the group's ``random_stream`` ("mix" when
     #: the group has none).
     RANDOM_STREAMS: ClassVar[dict[str, SeededRandomBasis]] = {"mix": SeededRandomBasis()}
@@ -748,6 +753,22 @@ class ProjectedAdam(OwnerPlaced, torch.optim.Optimizer):
         )
         for key, dtype in self.EXTRA_STATE.items():
             state[key] = torch.zeros((), dtype=dtype or p.dtype, device=p.device)
+
+    def accumulation_basis(self, p: torch.Tensor, group: dict[str, Any]) -> tuple[torch.Tensor, str] | None:
+        """(P, side) in which the micro-batch gradients of `p`'s next step may be summed, or None.
+
+        Summing R_k = proj(G_k) is exact in real arithmetic when the next step projects with the
+        same stored, orthonormal P (proj(back(sum R_k)) = sum R_k): a method whose update reads G
+        only through R (`PROJECTED_GRAD_ONLY`), a stored (`ComputedBasis`) basis that exists and is
+        not due for a refresh, and a plain (not FSDP2-sharded) tensor. Otherwise None: the caller
+        keeps a full accumulator (a refresh needs the whole summed G).
+        """
+        state = self.state.get(p)
+        if not (self.PROJECTED_GRAD_ONLY and group["project"] and state) or _is_dtensor(p):
+            return None
+        if not isinstance(self._basis_policy(group), ComputedBasis) or refresh_due(state, group):
+            return None
+        return state[BASIS], self._side(p, group)
 
     # ------------------------------------------------------------------ numerics
 

@@ -1,0 +1,250 @@
+"""Per-parameter optimizer updates inside backward (``train.update_in_backward: true``).
+
+Normally every gradient lives from its backward until ``optimizer.step()``: all of them at once
+(2 s_g P bytes at the peak of a step, s_g the gradient itemsize, P the trainable count). Here each
+parameter (or step unit, see below) is updated in a post-accumulate-grad hook as soon as its
+gradient is final, and the gradient is freed at once, so that only the accumulators of an
+accumulating step and the gradients in flight remain. The optimizer is the run's own (same
+classes, same state, same checkpoints); the hook steps it with only that unit's gradients set.
+
+One optimizer step of K micro-batches (`InBackward.begin_micro` before each backward):
+
+* micro-batches 1 .. K-1: each parameter's gradient G_k moves into an accumulator and
+  ``p.grad`` is freed. The accumulator is low rank, R = sum_k proj(G_k) (r x max(m, n)), for a
+  projected matrix whose method reads G only through R and whose basis will not refresh at this
+  step (`ProjectedAdam.accumulation_basis`); otherwise it is the full sum of the G_k (embeddings,
+  head, norms, factors of a factorized model, Fira's and APOLLO's matrices, and every projected
+  matrix at a refresh step: the bounded spike the estimator counts).
+* micro-batch K: the final gradient is G = acc + G_K, or back(R) + G_K for a low-rank accumulator
+  (the step projects it again: proj(back(R) + G_K) = R + proj(G_K) up to rounding, as
+  P^T P = I); it is all-reduced when a reduction is given (DDP), clipped (below), its squared
+  norm recorded, and its unit steps; then every gradient of the unit is freed.
+
+Step units: one parameter, except the (B, A) pairs of a group with ``factor_pairs`` (LORO's exact
+Riemannian step needs both factors at once): a pair steps when both gradients are final.
+
+Clipping (exact global-norm clipping needs every gradient before any update, which in-backward
+updates cannot wait for): step t's gradients are multiplied by
+c_t = min(1, max_norm / (||G_{t-1}|| + 1e-6)), the coefficient of torch's clip_grad_norm_ rule
+applied with the previous step's global norm (fp64 sum of squares, rounded to fp32 as
+`fsdp.clip_grad_norm_`); the first step of a run is not clipped (c_1 = 1). The previous norm is
+saved in checkpoints, so a resumed run clips as the uninterrupted one. The logged gradient norm is
+this step's true global norm ||G_t|| (before clipping), the same number the normal path logs; for
+a low-rank accumulated matrix it is the norm of the gradient its step consumed,
+back(R) + G_K.
+
+Non-finite gradients: a parameter whose final gradient is not finite is not updated (its state is
+untouched) and counted in `InBackward.skipped`; the others are. The trainer treats a step in which
+no parameter was updated as a skipped step (nothing advances) and otherwise logs the count.
+
+Bytes (per rank; s_g the gradient itemsize): the accumulators, sum over parameters of
+s_g r max(m, n) (low rank) or s_g numel (full) while K > 1, plus the gradients in flight: the
+largest step unit's final gradients plus the gradient autograd is producing (at most the two
+largest parameters' gradients); see `effpretrain.memory`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from optimizers import FACTOR_PAIRS_KEY
+from optimizers import projection as proj
+from optimizers._sharded import local, sum_squares_fp64
+from optimizers.momentum_reset import unwrap_optimizer
+
+__all__ = ["InBackward", "clip_coefficient", "step_units"]
+
+
+def clip_coefficient(max_norm: float, norm: float | None) -> float:
+    """min(1, max_norm / (norm + 1e-6)) in fp32 (torch's clip_grad_norm_ rule); 1 when clipping is
+    off (max_norm <= 0) or no norm is known yet."""
+    if max_norm <= 0 or norm is None:
+        return 1.0
+    total = torch.tensor(norm, dtype=torch.float32)
+    return float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+
+
+def step_units(opt: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The optimizer's step units among `params`: a (B, A) pair for each pair of a group with
+    ``factor_pairs`` (consecutive parameters, as LORO lists them), one parameter otherwise."""
+    wanted = {id(p) for p in params}
+    units: list[list[torch.Tensor]] = []
+    for group in unwrap_optimizer(opt).param_groups:
+        ps = [p for p in group["params"] if id(p) in wanted]
+        if group.get(FACTOR_PAIRS_KEY):
+            units += [ps[i : i + 2] for i in range(0, len(ps), 2)]
+        else:
+            units += [[p] for p in ps]
+    return units
+
+
+class InBackward:
+    """Steps the optimizer's units inside backward (see the module docstring for the rules).
+
+    Args:
+        params: the trainable parameters, in model order.
+        optimizer: the run's optimizer (wrappers are followed to the one that owns the state;
+            wrapper bookkeeping such as restarts runs at ``optimizer.step()`` after backward, which
+            then finds no gradients).
+        max_norm: clipping threshold (0: off).
+        reduce: called with each final gradient before it is used (DDP's all-reduce and average),
+            in the same parameter order on every rank.
+
+    Attributes:
+        prev_norm: the previous step's global gradient norm (None before the first step).
+        skipped: parameters not updated in the last step (non-finite gradient).
+        step_seconds: wall time spent in the per-unit optimizer steps (cumulative).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        max_norm: float = 0.0,
+        reduce: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.opt = unwrap_optimizer(optimizer)
+        self.max_norm = float(max_norm)
+        self.reduce = reduce
+        self.prev_norm: float | None = None
+        self.skipped = 0
+        self.step_seconds = 0.0
+        self._group = {id(p): g for g in self.opt.param_groups for p in g["params"]}
+        self._unit = {id(p): unit for unit in step_units(self.opt, self.params) for p in unit}
+        self._acc: dict[int, tuple[torch.Tensor, torch.Tensor | None, str]] = {}
+        self._final: dict[int, torch.Tensor] = {}
+        self._squares: dict[int, torch.Tensor] = {}
+        self._active = False
+        self._last = True
+        self._coef = 1.0
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
+
+    def remove(self) -> None:
+        """Removes the hooks (the model's trainable set changed, or the run ends)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # -- the step ---------------------------------------------------------------------------
+    def begin_micro(self, k: int, num_micro: int) -> None:
+        """Call before micro-batch `k` (0-based) of `num_micro`'s backward."""
+        if k == 0:
+            self._squares.clear()
+            self.skipped = 0
+            self._coef = clip_coefficient(self.max_norm, self.prev_norm)
+        self._active, self._last = True, k == num_micro - 1
+
+    def finish(self) -> float:
+        """Ends the step: the global norm of this step's final gradients (a collective under FSDP2:
+        shards' squares are summed over ranks), remembered for the next step's clipping."""
+        self._active = False
+        if self._acc or self._final:
+            raise RuntimeError(
+                f"update_in_backward: {len(self._acc) + len(self._final)} gradients never became final "
+                "(a parameter without a gradient in the last micro-batch, or a step unit left incomplete)"
+            )
+        norm = self._global_norm()
+        if math.isfinite(norm):  # a non-finite step's norm would disable clipping for the next
+            self.prev_norm = norm
+        return norm
+
+    def _global_norm(self) -> float:
+        from torch.distributed.tensor import DTensor
+
+        sharded = torch.zeros((), dtype=torch.float64)
+        whole = torch.zeros((), dtype=torch.float64)
+        mesh = None
+        for p in self.params:  # model order, so the fp64 sum is the same in every launch mode
+            sq = self._squares.get(id(p))
+            if sq is None:
+                continue
+            if isinstance(p, DTensor):
+                sharded += sq.cpu()
+                mesh = p.device_mesh
+            else:
+                whole += sq.cpu()
+        if mesh is not None:
+            import torch.distributed as dist
+
+            dev = local(self.params[0]).device
+            total = sharded.to(dev)
+            dist.all_reduce(total, group=mesh.get_group())
+            sharded = total.cpu()
+        return float((sharded + whole).sqrt().float())
+
+    # -- the hook ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def _hook(self, p: torch.Tensor) -> None:
+        if not self._active or p.grad is None:
+            return
+        if not self._last:
+            self._accumulate(p)
+            return
+        grad = self._final_grad(p)
+        if self.reduce is not None:
+            self.reduce(grad)
+        self._squares[id(p)] = sum_squares_fp64(local(grad))
+        self._final[id(p)] = grad
+        p.grad = None
+        unit = self._unit.get(id(p), [p])
+        if all(id(q) in self._final for q in unit):
+            self._step(unit)
+
+    def _accumulate(self, p: torch.Tensor) -> None:
+        g, key = p.grad, id(p)
+        p.grad = None
+        held = self._acc.get(key)
+        if held is None:
+            target = getattr(self.opt, "accumulation_basis", None)
+            found = target(p, self._group[key]) if target is not None else None
+            if found is None:
+                self._acc[key] = (g, None, "")  # autograd's fresh tensor becomes the accumulator
+            else:
+                basis, side = found
+                self._acc[key] = (proj.project(g, basis, side), basis, side)
+            return
+        acc, basis, side = held
+        if basis is None:
+            acc.add_(g)
+        else:
+            acc.add_(proj.project(g, basis, side))
+
+    def _final_grad(self, p: torch.Tensor) -> torch.Tensor:
+        held = self._acc.pop(id(p), None)
+        g = p.grad
+        if held is None:
+            return g
+        acc, basis, side = held
+        if basis is None:
+            return acc.add_(g)  # acc + G_K: the order autograd's own accumulation adds in
+        return g.add_(proj.project_back(acc, basis, side, m=p.shape[0]))
+
+    def _step(self, unit: list[torch.Tensor]) -> None:
+        grads = [self._final.pop(id(q)) for q in unit]
+        if not all(bool(torch.isfinite(self._squares[id(q)])) for q in unit):
+            self.skipped += len(unit)
+            return
+        for q, g in zip(unit, grads):
+            if self._coef != 1.0:
+                g.mul_(self._coef)
+            q.grad = g
+        t0 = time.perf_counter()
+        try:
+            self.opt.step()
+        finally:
+            self.step_seconds += time.perf_counter() - t0
+            for q in unit:
+                q.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """What exact resume needs: the previous step's norm (the next step's clipping)."""
+        return {"prev_norm": self.prev_norm}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.prev_norm = sd.get("prev_norm")
