@@ -1,0 +1,272 @@
+"""`train.update_in_backward` in one process (issue 17): parity with the normal path, the
+documented clipping rule against a reference, the logged gradient norm and LR, exact resume, and
+the engine's low-rank accumulators and step units.
+
+The runs are the tiny preset in fp32, K = 4 micro-batches per update, 20 updates."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from effpretrain import fsdp, trainer
+from effpretrain.config import load_config
+from effpretrain.errors import ConfigError
+from effpretrain.in_backward import InBackward, clip_coefficient, step_units
+from effpretrain.optim_setup import lr_factor
+from effpretrain.trainer import train
+from optimizers import FACTOR_PAIRS_KEY, GaLoreAdamW
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS, K = 20, 4
+# One update = 4 micro-batches of 2 x 32 tokens.
+BASE = [
+    f"train.max_steps={STEPS}",
+    f"train.grad_accum={K}",
+    "train.batch_size=2",
+    "data.seq_len=32",
+    "train.eval_every=0",
+    "train.eval_tokens=128",
+    "train.log_every=1",
+    "train.memory_steps=[]",
+    "train.plot=false",
+]
+# Bitwise where the same kernels run; projected methods sum the projected micro-gradients (GaLore)
+# or keep full accumulators (Fira and APOLLO read G itself): within 1e-5 relative, as the issue says.
+BITWISE = ("adamw", "lowrank_restarts")
+CLOSE = ("galore", "fira", "apollo")
+# lowrank_restarts: restarts at 7 and 14 of the 20 updates. The projected methods keep their tiny
+# recipes' refresh period (50): a refresh after step 1 would compute its basis from weights that
+# differ in the last bits (1e-7) and the tiny model's near-degenerate singular values rotate it
+# (measured: 7e-8 after 6 updates -> 1.4e-3 after the refresh at 7, randomized or exact SVD
+# alike), so the parity claim is made between refreshes; the refresh step's own path (a full
+# accumulator) is checked below on a well-conditioned matrix and by exact resume.
+EXTRA = {"lowrank_restarts": ("restarts.every=7",)}
+
+
+def run(tmp: Path, method: str, name: str, *extra: str, resume: str | None = None) -> tuple[dict, Path]:
+    over = BASE + list(EXTRA.get(method, ())) + list(extra)
+    cfg = load_config(ROOT / "recipes" / "tiny" / f"{method}.yaml", over)
+    out = tmp / name
+    return train(cfg, out, resume=resume), out
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    last = max((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    return load_file(str(last / "model.safetensors"))
+
+
+def logs(out: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "event" not in r and "loss" in r]
+
+
+def max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).norm() / a[k].norm().clamp_min(1e-30)) for k in a)
+
+
+@pytest.fixture(scope="module")
+def normal_runs(tmp_path_factory):
+    """The normal path's runs (clipping off), computed once per method."""
+    tmp = tmp_path_factory.mktemp("normal")
+    return {m: run(tmp, m, m, "train.grad_clip=0")[1] for m in BITWISE + CLOSE}
+
+
+@pytest.mark.parametrize("method", BITWISE + CLOSE)
+def test_parity_with_normal_path(method, normal_runs, tmp_path):
+    """Acceptance 1 (one process, clipping off): the same weights after 20 updates of K = 4."""
+    _, out = run(tmp_path, method, "inb", "train.grad_clip=0", "train.update_in_backward=true")
+    a, b = weights(normal_runs[method]), weights(out)
+    if method in BITWISE:
+        assert all(torch.equal(a[k], b[k]) for k in a), max_rel(a, b)
+    else:
+        assert max_rel(a, b) <= 1e-5
+
+
+def test_grad_norm_and_lr_are_logged_as_the_normal_path(normal_runs, tmp_path):
+    """Acceptance 3: adamw, clipping off: each step's logged grad_norm is non-zero and equals the
+    normal path's (same fp64 sum in model order); the logged LR is the schedule's."""
+    _, out = run(tmp_path, "adamw", "inb", "train.grad_clip=0", "train.update_in_backward=true")
+    ref, got = logs(normal_runs["adamw"]), logs(out)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert all(r["grad_norm"] > 0 for r in got)
+    assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in ref]
+    cfg = load_config(ROOT / "recipes" / "tiny" / "adamw.yaml", BASE)
+    # The LR logged after update t is the one the schedule set for update t + 1.
+    want = [cfg.optim.lr * lr_factor(r["step"], cfg) for r in got]
+    assert [r["lr"] for r in got] == pytest.approx(want, rel=1e-12)
+    assert [r["lr"] for r in got] == [r["lr"] for r in ref]
+
+
+class PreviousNormClip:
+    """The documented clipping rule written independently of the engine, on the normal path:
+    after the whole global batch's backward, multiply every gradient by
+    min(1, c / (||G_{t-1}|| + 1e-6)) (fp32, torch's rule) using the PREVIOUS step's global norm;
+    the first step is unclipped. Returns this step's (unclipped) norm, as the trainer logs."""
+
+    def __init__(self) -> None:
+        self.prev: float | None = None
+        self.norm = fsdp.clip_grad_norm_  # the unpatched norm (max_norm 0: no clipping)
+
+    def __call__(self, params, max_norm: float) -> float:
+        params = [p for p in params if p.grad is not None]
+        norm = self.norm(params, 0.0)
+        if self.prev is not None:
+            coef = float(
+                torch.clamp(max_norm / (torch.tensor(self.prev, dtype=torch.float32) + 1e-6), max=1.0)
+            )
+            for p in params:
+                p.grad.mul_(coef)
+        self.prev = norm
+        return norm
+
+
+@pytest.mark.parametrize(
+    "method, accum",
+    # galore at K = 1: with K > 1 its low-rank accumulated matrices contribute the norm of the
+    # gradient their step consumed (back(R) + G_K, documented), which no normal-path reference has.
+    [("adamw", K), ("galore", 1)],
+)
+def test_clipping_equals_reference_rule(method, accum, tmp_path, monkeypatch):
+    """Acceptance 1, clipping on (0.05 bites every step here): update_in_backward equals the
+    reference implementation of the previous-norm rule on the normal path, bitwise."""
+    over = ("train.grad_clip=0.05", f"train.grad_accum={accum}", f"train.batch_size={2 * K // accum}")
+    _, out = run(tmp_path, method, "inb", *over, "train.update_in_backward=true")
+    with monkeypatch.context() as m:
+        m.setattr(trainer.fsdp, "clip_grad_norm_", PreviousNormClip())
+        _, ref_out = run(tmp_path, method, "ref", *over)
+    _, plain = run(tmp_path, method, "plain", *over)  # today's exact clipping: a different run
+    a, b = weights(ref_out), weights(out)
+    assert sum(r["grad_norm"] > 0.05 for r in logs(out)) >= STEPS // 2  # the clip is active
+    assert all(torch.equal(a[k], b[k]) for k in a), max_rel(a, b)
+    assert max_rel(weights(plain), b) > 1e-4  # the rule is not exact clipping: the test can tell
+
+
+@pytest.mark.parametrize("method", ["galore", "lowrank_restarts"])
+def test_exact_resume(method, tmp_path):
+    """Acceptance 4: 20 updates straight vs 10 + resume: bitwise equal (clipping on, so the saved
+    previous norm matters; lowrank_restarts restarts at 7 and 14, galore refreshes at 7, 13, 19)."""
+    over = ("train.grad_clip=0.05", "train.update_in_backward=true", "train.save_every=10")
+    if method == "galore":
+        over += ("optim.update_proj_gap=6",)  # refreshes at 1, 7, 13 and 19 (13 and 19 after resuming)
+    _, straight = run(tmp_path, method, "straight", *over)
+    ckpt = straight / "checkpoints" / "step-10"
+    assert ckpt.is_dir()
+    _, resumed = run(tmp_path, method, "resumed", *over, resume=str(ckpt))
+    a, b = weights(straight), weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a), max_rel(a, b)
+
+
+def test_mode_change_on_resume_is_refused(tmp_path):
+    _, out = run(tmp_path, "adamw", "a", "train.max_steps=2", "train.save_every=1")
+    with pytest.raises(ConfigError, match="update_in_backward"):
+        run(
+            tmp_path,
+            "adamw",
+            "b",
+            "train.update_in_backward=true",
+            resume=str(out / "checkpoints" / "step-1"),
+        )
+
+
+# ---------------------------------------------------------------------------- the engine
+
+
+def _galore_pair(seed: int = 0):
+    torch.manual_seed(seed)
+    w = torch.nn.Parameter(torch.randn(16, 24))
+    b = torch.nn.Parameter(torch.randn(24))
+    opt = GaLoreAdamW(
+        [{"params": [w], "rank": 4, "update_proj_gap": 3, "basis": "svd"}, {"params": [b]}], lr=1e-2
+    )
+    return w, b, opt
+
+
+def _micro_backward(w, b, x):
+    ((x @ w) + b).square().mean().backward()
+
+
+def test_low_rank_accumulator_between_refreshes():
+    """GaLore's matrix accumulates R = sum proj(G_k) (4 x 24 here, not 16 x 24) on a step without a
+    refresh, a full accumulator on a refresh step (the first, and t % T == 0); the bias always
+    full. The updates equal the normal path's within rounding."""
+    w, b, opt = _galore_pair()
+    w2, b2, opt2 = _galore_pair()
+    eng = InBackward([w, b], opt)
+    shapes = []
+    for _ in range(5):
+        xs = [torch.randn(3, 16) for _ in range(K)]
+        for k, x in enumerate(xs):
+            eng.begin_micro(k, K)
+            _micro_backward(w, b, x)
+            if k == 0:
+                shapes.append((tuple(eng._acc[id(w)][0].shape), tuple(eng._acc[id(b)][0].shape)))
+            _micro_backward(w2, b2, x)
+        eng.finish()
+        opt2.step()
+        opt2.zero_grad()
+    full, low = ((16, 24), (24,)), ((4, 24), (24,))
+    assert shapes == [full, low, low, full, low]  # refreshes at steps 1 and 4 (T = 3)
+    assert float((w - w2).norm() / w2.norm()) < 1e-5 and torch.equal(b, b2)
+    assert w.grad is None and b.grad is None  # every gradient freed
+
+
+def test_fira_and_apollo_keep_full_accumulators():
+    """Their update reads G itself (Fira's residual, APOLLO's channel scaling of G)."""
+    from optimizers import APOLLOAdamW, FiraAdamW
+
+    for cls in (FiraAdamW, APOLLOAdamW):
+        w = torch.nn.Parameter(torch.randn(16, 24))
+        opt = cls([{"params": [w], "rank": 4, "update_proj_gap": 3}], lr=1e-2)
+        eng = InBackward([w], opt)
+        for _ in range(2):  # the second step has a basis and no refresh due
+            for k in range(2):
+                eng.begin_micro(k, 2)
+                (torch.randn(3, 16) @ w).square().mean().backward()
+                if k == 0:
+                    assert eng._acc[id(w)][0].shape == (16, 24)
+            eng.finish()
+
+
+def test_factor_pairs_step_together():
+    """A group with factor_pairs (LORO) steps each (B, A) pair once both gradients are final."""
+    B, A, c = (torch.nn.Parameter(torch.randn(*s)) for s in ((8, 2), (2, 6), (6,)))
+    opt = torch.optim.SGD([{"params": [B, A], FACTOR_PAIRS_KEY: True}, {"params": [c]}], lr=0.1)
+    assert step_units(opt, [B, A, c]) == [[B, A], [c]]
+    seen = []
+    orig = opt.step
+
+    def spy():
+        seen.append({n for n, p in (("B", B), ("A", A), ("c", c)) if p.grad is not None})
+        orig()
+
+    opt.step = spy
+    eng = InBackward([B, A, c], opt)
+    eng.begin_micro(0, 1)
+    ((torch.randn(3, 8) @ B @ A) + c).sum().backward()
+    eng.finish()
+    assert sorted(map(sorted, seen)) == [["A", "B"], ["c"]]
+
+
+def test_non_finite_gradient_skips_only_its_parameter():
+    w, b, opt = _galore_pair()
+    before = b.detach().clone()
+    eng = InBackward([w, b], opt)
+    eng.begin_micro(0, 1)
+    ((torch.randn(3, 16) @ w) + b * float("nan")).sum().backward()
+    norm = eng.finish()
+    assert eng.skipped == 1 and norm != norm  # b's gradient is NaN; w's is finite (and stepped)
+    assert torch.equal(b.detach(), before)
+    assert eng.prev_norm is None  # a non-finite norm never becomes the clipping reference
+
+
+def test_clip_coefficient_rule():
+    assert clip_coefficient(0.0, 5.0) == 1.0 and clip_coefficient(1.0, None) == 1.0
+    assert clip_coefficient(1.0, 0.5) == 1.0
+    assert clip_coefficient(1.0, 4.0) == pytest.approx(0.25, rel=1e-6)
