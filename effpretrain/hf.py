@@ -20,6 +20,16 @@ adds perplexity (``ppl``, ``eval_ppl``, ``train_ppl``) and memory fields (measur
 ``est_*_bytes`` on the first training log and the final summary log) to the Trainer's logs, and
 keeps its counters in the Trainer's checkpoints (``trainer_state.json``), so
 ``trainer.train(resume_from_checkpoint=...)`` continues exactly.
+
+``create_optimizer(..., update_in_backward=True)`` updates each parameter inside backward and
+frees its gradient (`effpretrain.in_backward`, the engine of ``train.update_in_backward``) under
+the Trainer's own loop: the callback tells the engine which micro-batch of the Trainer's gradient
+accumulation is the last of an update (the Trainer's own sync flag, read in a forward pre-hook),
+ends each update before the Trainer's ``optimizer.step()`` (which then finds no gradient and runs
+only a wrapper's bookkeeping such as restarts; the LR scheduler steps as usual), replaces the
+logged ``grad_norm`` (the Trainer measures the freed gradients: 0) by the engine's global norm,
+and applies ``max_grad_norm`` with the engine's previous-step-norm rule. DeepSpeed, fp16
+(GradScaler) and several processes are refused.
 """
 
 from __future__ import annotations
@@ -541,8 +551,16 @@ class EffPretrainCallback(TrainerCallback, ExportableState):
     (the progress printer); reporting integrations run before user callbacks, so to send the fields
     to TensorBoard or W&B put the callback first: ``trainer.callback_handler.callbacks.insert(0, cb)``.
 
+    Updates in backward. With an optimizer from ``create_optimizer(..., update_in_backward=True)``
+    the callback drives its engine (see the module docstring); it is required there (the
+    optimizer refuses to step without it). ``TrainingArguments.max_grad_norm = c > 0`` multiplies
+    step t's gradients by min(1, c / (||G_{t-1}|| + 1e-6)) (the first step unclipped), as
+    ``train.grad_clip`` does in this mode: exact clipping would need every gradient before the
+    first parameter steps, and refusing c > 0 would refuse the Trainer's default (1.0).
+
     Checkpoints. Its counters are saved in each checkpoint's ``trainer_state.json`` (as an
-    `ExportableState`) and read back at the start of a resumed ``trainer.train(resume_from_checkpoint=...)``.
+    `ExportableState`), with the previous step's gradient norm in updates in backward, and read back
+    at the start of a resumed ``trainer.train(resume_from_checkpoint=...)``.
 
     Args:
         restarts_every: T, optimizer updates between restarts (0: none from the callback).
