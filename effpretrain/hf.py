@@ -700,12 +700,14 @@ class EffPretrainCallback(TrainerCallback, ExportableState):
         if self._forward_hook is not None:
             self._forward_hook.remove()
             self._forward_hook = None
-        self._inb, self._inb_norm, self._micro = _engine_of(optimizer), None, 0
-        if self._inb is None:
+        self._inb, self._inb_norm, self._micro = None, None, 0
+        engine = _engine_of(optimizer)
+        if engine is None:
             return
         why = _in_backward_refusal(args)
         if why:
             raise ConfigError(f"create_optimizer(update_in_backward=True): {why}")
+        self._inb = engine
         # The Trainer's own clipping would act on no gradients (they are freed in backward): its
         # threshold applies the engine's rule instead, c_t = min(1, max_norm / (||G_{t-1}|| + 1e-6)).
         self._inb.max_norm = float(args.max_grad_norm or 0.0)
