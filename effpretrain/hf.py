@@ -20,17 +20,29 @@ adds perplexity (``ppl``, ``eval_ppl``, ``train_ppl``) and memory fields (measur
 ``est_*_bytes`` on the first training log and the final summary log) to the Trainer's logs, and
 keeps its counters in the Trainer's checkpoints (``trainer_state.json``), so
 ``trainer.train(resume_from_checkpoint=...)`` continues exactly.
+
+``create_optimizer(..., update_in_backward=True)`` updates each parameter inside backward and
+frees its gradient (`effpretrain.in_backward`, the engine of ``train.update_in_backward``) under
+the Trainer's own loop: the callback tells the engine which micro-batch of the Trainer's gradient
+accumulation is the last of an update (the Trainer's own sync flag, read in a forward pre-hook),
+ends each update before the Trainer's ``optimizer.step()`` (which then finds no gradient and runs
+only a wrapper's bookkeeping such as restarts; the LR scheduler steps as usual), replaces the
+logged ``grad_norm`` (the Trainer measures the freed gradients: 0) by the engine's global norm,
+and applies ``max_grad_norm`` with the engine's previous-step-norm rule. DeepSpeed, fp16
+(GradScaler) and several processes are refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from accelerate.state import GradientState
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
@@ -45,6 +57,8 @@ from effpretrain.config import (
     TrainConfig,
     validate,
 )
+from effpretrain.errors import ConfigError
+from effpretrain.in_backward import InBackward
 from effpretrain.models.factorized import FACTOR_KINDS, apply_factorization, factorized_layers
 from effpretrain.models.llama import PRESETS
 from effpretrain.optim_setup import build_optimizer_and_schedule, opt_telemetry, restart_ramps, wrap_restarts
@@ -63,6 +77,17 @@ __all__ = [
 # The RunConfig behind each optimizer create_optimizer returned: lets the callback see which method
 # and settings it is tracking (and whether restarts are already handled) without tagging the object.
 _CONFIGS: weakref.WeakKeyDictionary[torch.optim.Optimizer, RunConfig] = weakref.WeakKeyDictionary()
+# The in-backward engine of each optimizer create_optimizer(update_in_backward=True) returned. The
+# engine is kept alive by its hooks on the model's parameters; a weak reference here keeps the
+# engine (which holds the optimizer) from holding its own key alive.
+_ENGINES: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[InBackward]] = (
+    weakref.WeakKeyDictionary()
+)
+# Engines a callback drives (marks micro-batches, finishes steps): the optimizer refuses to step
+# for any other, as the Trainer's step would then silently run on whole gradients.
+_DRIVEN: weakref.WeakSet[InBackward] = weakref.WeakSet()
+
+log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -122,6 +147,7 @@ def build_run_config(
     refactorize: bool = True,
     reset_momentum: bool = True,
     recovery_steps: int = 10,
+    update_in_backward: bool = False,
     **method_kwargs: Any,
 ) -> RunConfig:
     """The validated `RunConfig` that `create_optimizer` builds from (arguments as there).
@@ -156,6 +182,7 @@ def build_run_config(
             warmup_ratio=float(warmup_ratio),
             min_lr_ratio=float(min_lr_ratio),
             schedule=schedule,
+            update_in_backward=bool(update_in_backward),
         ),
         restarts=RestartsConfig(
             every=int(restarts_every),
@@ -193,6 +220,7 @@ def create_optimizer(
     refactorize: bool = True,
     reset_momentum: bool = True,
     recovery_steps: int = 10,
+    update_in_backward: bool = False,
     **method_kwargs: Any,
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """Builds ``(optimizer, lr_scheduler)`` for ``Trainer(optimizers=...)`` the way the trainer does.
@@ -228,6 +256,12 @@ def create_optimizer(
         refactorize: re-split factor pairs at restarts (Low-Rank and SLTrain models).
         reset_momentum: zero Adam moments and step counters at restarts.
         recovery_steps: length R of the LR ramp after each restart.
+        update_in_backward: update each parameter (LORO: each factor pair) inside backward as
+            soon as its gradient is final and free the gradient (`effpretrain.in_backward`, as
+            ``train.update_in_backward``). Needs `EffPretrainCallback` in the Trainer's callbacks,
+            which marks the micro-batches of the Trainer's gradient accumulation, maps
+            ``max_grad_norm`` to the previous-step-norm clipping rule and logs the real
+            ``grad_norm``; one process only, no fp16 (GradScaler) and no DeepSpeed.
         **method_kwargs: extra constructor options of the method (``optim.extra`` of a recipe),
             e.g. ``gamma1=0.85`` for stable_spam, ``oversample=8`` for randomized bases.
 
@@ -237,6 +271,8 @@ def create_optimizer(
     Raises:
         ValueError: unknown method (naming the choices), values out of range, or a projection
             method whose `targets` match no linear weight.
+        RuntimeError: (at the Trainer's first optimizer step) ``update_in_backward`` without
+            `EffPretrainCallback` in the Trainer.
     """
     cfg = build_run_config(
         model,
@@ -259,11 +295,31 @@ def create_optimizer(
         refactorize=refactorize,
         reset_momentum=reset_momentum,
         recovery_steps=recovery_steps,
+        update_in_backward=update_in_backward,
         **method_kwargs,
     )
     opt, sched = build_optimizer_and_schedule(model, cfg)
     _CONFIGS[opt] = cfg
+    if update_in_backward:
+        _attach_in_backward(model, opt)
     return opt, sched
+
+
+def _attach_in_backward(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    # max_norm comes from TrainingArguments.max_grad_norm when the callback starts driving it.
+    engine = InBackward(model.parameters(), opt)
+    _ENGINES[opt] = weakref.ref(engine)
+
+    def require_callback(*_: Any) -> None:
+        # Without the callback no micro-batch is marked: the hooks stay idle, every gradient is
+        # kept and this step would quietly be the normal one.
+        if engine not in _DRIVEN:
+            raise RuntimeError(
+                "create_optimizer(update_in_backward=True) needs EffPretrainCallback() in the Trainer's "
+                "callbacks (it marks the micro-batches and logs the real gradient norm)"
+            )
+
+    unwrap_optimizer(opt).register_step_pre_hook(require_callback)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -280,6 +336,11 @@ def _chain(optimizer: Any) -> list[torch.optim.Optimizer]:
 
 def _find_restarts(optimizer: Any) -> Restarts | None:
     return next((o for o in _chain(optimizer) if isinstance(o, Restarts)), None)
+
+
+def _engine_of(optimizer: Any) -> InBackward | None:
+    ref = next((_ENGINES[o] for o in _chain(optimizer) if o in _ENGINES), None)
+    return ref() if ref is not None else None
 
 
 def _config_of(optimizer: Any) -> RunConfig | None:
@@ -432,6 +493,25 @@ def _ppl(loss: float) -> float:
     return math.exp(min(float(loss), 50.0))
 
 
+def _in_backward_refusal(args: Any) -> str | None:
+    """Why the Trainer set up by `args` cannot update parameters inside backward (None: it can)."""
+    if getattr(args, "deepspeed", None):
+        return "DeepSpeed partitions the gradients and runs the optimizer step itself"
+    if getattr(args, "fp16", False):
+        return (
+            "fp16's GradScaler unscales and checks the gradients only at optimizer.step(), so the "
+            "parameters would step on scaled gradients; use bf16"
+        )
+    if getattr(args, "world_size", 1) > 1:
+        return (
+            f"{args.world_size} processes: the Trainer's DDP/FSDP reduce gradients after the per-parameter "
+            "hooks have stepped; one process only"
+        )
+    if getattr(args, "n_gpu", 0) > 1:
+        return f"DataParallel over {args.n_gpu} GPUs replicates the model at every forward; use one device"
+    return None
+
+
 def _seq_len_of(dataloader: Any) -> int | None:
     # Pretraining rows have one length; indexing a map-style dataset draws no random numbers.
     try:
@@ -471,8 +551,16 @@ class EffPretrainCallback(TrainerCallback, ExportableState):
     (the progress printer); reporting integrations run before user callbacks, so to send the fields
     to TensorBoard or W&B put the callback first: ``trainer.callback_handler.callbacks.insert(0, cb)``.
 
+    Updates in backward. With an optimizer from ``create_optimizer(..., update_in_backward=True)``
+    the callback drives its engine (see the module docstring); it is required there (the
+    optimizer refuses to step without it). ``TrainingArguments.max_grad_norm = c > 0`` multiplies
+    step t's gradients by min(1, c / (||G_{t-1}|| + 1e-6)) (the first step unclipped), as
+    ``train.grad_clip`` does in this mode: exact clipping would need every gradient before the
+    first parameter steps, and refusing c > 0 would refuse the Trainer's default (1.0).
+
     Checkpoints. Its counters are saved in each checkpoint's ``trainer_state.json`` (as an
-    `ExportableState`) and read back at the start of a resumed ``trainer.train(resume_from_checkpoint=...)``.
+    `ExportableState`), with the previous step's gradient norm in updates in backward, and read back
+    at the start of a resumed ``trainer.train(resume_from_checkpoint=...)``.
 
     Args:
         restarts_every: T, optimizer updates between restarts (0: none from the callback).
@@ -520,6 +608,13 @@ class EffPretrainCallback(TrainerCallback, ExportableState):
         self._device = torch.device("cpu")
         self._last_lr: float | None = None
         self._estimate_logged = False
+        # update_in_backward: the engine this callback drives, the last step's global gradient
+        # norm, the micro-batch index within the update, the model's forward pre-hook.
+        self._inb: InBackward | None = None
+        self._inb_norm: float | None = None
+        self._inb_prev_norm: float | None = None  # read from a checkpoint
+        self._micro = 0
+        self._forward_hook: torch.utils.hooks.RemovableHandle | None = None
 
     # -- checkpointed state (transformers' ExportableState format) -----------------------------
     def state(self) -> dict[str, Any]:
@@ -536,6 +631,8 @@ class EffPretrainCallback(TrainerCallback, ExportableState):
                 "num_updates": self.num_updates,
                 "num_restarts": self.num_restarts,
                 "scheduled_lrs": self.scheduled_lrs,
+                # update_in_backward: the next step clips with this norm (exact resume).
+                "in_backward_prev_norm": self._inb.prev_norm if self._inb is not None else None,
             },
         }
 
@@ -549,9 +646,12 @@ class EffPretrainCallback(TrainerCallback, ExportableState):
             self.num_restarts = int(attrs.get("num_restarts", 0))
             lrs = attrs.get("scheduled_lrs")
             self.scheduled_lrs = [float(x) for x in lrs] if lrs is not None else None
+            prev = attrs.get("in_backward_prev_norm")
+            self._inb_prev_norm = float(prev) if prev is not None else None
         else:
             # A checkpoint written without this callback: assume no update was skipped.
             self.num_updates, self.num_restarts, self.scheduled_lrs = state.global_step, 0, None
+            self._inb_prev_norm = None
             # transformers' checkpoint writer expects an entry for every ExportableState callback.
             state.stateful_callbacks[type(self).__name__] = self.state()
 
@@ -564,6 +664,7 @@ class EffPretrainCallback(TrainerCallback, ExportableState):
         self._device = next(model.parameters()).device
         self._wrapper = _find_restarts(optimizer)
         self._restarts, self._ramp = None, False
+        self._set_up_in_backward(args, model, optimizer)
         if self._wrapper is not None:
             if self.restarts_every and self.restarts_every != self._wrapper.every:
                 raise ValueError(
@@ -594,8 +695,65 @@ class EffPretrainCallback(TrainerCallback, ExportableState):
             )
         self._estimate_logged = False
 
+    def _set_up_in_backward(self, args: Any, model: torch.nn.Module, optimizer: Any) -> None:
+        """Drives the engine of an optimizer from ``create_optimizer(update_in_backward=True)``."""
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
+        self._inb, self._inb_norm, self._micro = None, None, 0
+        engine = _engine_of(optimizer)
+        if engine is None:
+            return
+        why = _in_backward_refusal(args)
+        if why:
+            raise ConfigError(f"create_optimizer(update_in_backward=True): {why}")
+        self._inb = engine
+        # The Trainer's own clipping would act on no gradients (they are freed in backward): its
+        # threshold applies the engine's rule instead, c_t = min(1, max_norm / (||G_{t-1}|| + 1e-6)).
+        self._inb.max_norm = float(args.max_grad_norm or 0.0)
+        self._inb.prev_norm = self._inb_prev_norm
+        if self._inb.max_norm > 0:
+            log.info(
+                "update_in_backward: max_grad_norm=%g clips each step with the previous step's global "
+                "gradient norm (the first step is not clipped)",
+                self._inb.max_norm,
+            )
+        _DRIVEN.add(self._inb)
+        self._forward_hook = model.register_forward_pre_hook(self._before_forward)
+
+    def _before_forward(self, module: torch.nn.Module, inputs: Any) -> None:
+        if self._inb is None or not (module.training and torch.is_grad_enabled()):
+            return  # evaluation and generation
+        # The Trainer sets the flag it steps on (its do_sync_step) before each micro-batch's forward:
+        # true on the last micro-batch of an update, also for an epoch's short last update.
+        last = bool(GradientState().sync_gradients)
+        k = self._micro
+        # K is only known at the last micro-batch; the engine reads k == 0 and k == K - 1 only.
+        self._inb.begin_micro(k, k + 1 if last else k + 2)
+        self._micro = k + 1
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._micro = 0
+
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         self._last_lr = float(optimizer.param_groups[0]["lr"])
+        if self._inb is not None:
+            # Every parameter has stepped in backward; the Trainer's optimizer.step() that follows
+            # finds no gradient and runs only a wrapper's bookkeeping (restarts), once per update.
+            self._inb_norm = self._inb.finish()
+            if self._inb.skipped:
+                log.warning(
+                    "update_in_backward, step %d: %d parameters with non-finite gradients were not updated",
+                    state.global_step + 1,
+                    self._inb.skipped,
+                )
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
+        if self._inb is not None:
+            _DRIVEN.discard(self._inb)
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         if self._restarts is None or getattr(optimizer, "step_was_skipped", False):
@@ -631,6 +789,9 @@ class EffPretrainCallback(TrainerCallback, ExportableState):
         training = "loss" in logs or "train_loss" in logs
         if self._ramp and "learning_rate" in logs and self._last_lr is not None:
             extra["learning_rate"] = self._last_lr  # the scheduler's value misses the ramp
+        if self._inb is not None and "grad_norm" in logs and self._inb_norm is not None:
+            # The Trainer measured the freed gradients (0): the engine's norm of this step's final ones.
+            extra["grad_norm"] = self._inb_norm
         if self.track_memory and training and self._optimizer is not None:
             extra["optimizer_state_bytes"] = optimizers.measured_state_bytes(
                 unwrap_optimizer(self._optimizer)

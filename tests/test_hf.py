@@ -5,11 +5,17 @@ restarts train under the Trainer; restart events fire right after the configured
 updates (seen in the optimizer state: step counters and moments zeroed, factor pairs balanced,
 LR ramp), with gradient accumulation, whether the Restarts wrapper or the callback fires them,
 and never twice; logs carry memory and perplexity; a run resumed from a Trainer checkpoint
-repeats the uninterrupted run's losses; the README example runs as written.
+repeats the uninterrupted run's losses; the README example runs as written. With
+create_optimizer(update_in_backward=True), under the Trainer's own gradient accumulation (short
+last update of an epoch included), the weights equal the normal Trainer run's (bitwise where the
+same kernels run), no gradient is alive at the optimizer step, the logged grad_norm is the real one
+and the logged LR the schedule's; max_grad_norm clips by the previous step's norm, which survives a
+checkpoint; DeepSpeed, fp16 and a missing callback are refused.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -23,6 +29,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback
 
 import optimizers
 from effpretrain import hf, memory, optim_setup
+from effpretrain.errors import ConfigError
 from effpretrain.models import build_model
 from effpretrain.models.factorized import factor_pairs
 from optimizers.momentum_reset import unwrap_optimizer
@@ -123,7 +130,19 @@ class Probe(TrainerCallback):
             self.balanced[n] = max(float((btb - aat).abs().max()), float(off.abs().max())) < 3e-6 * scale
 
 
-def make_trainer(out, model, *, max_steps, opt=None, callbacks=(), ga=1, save_steps=0, eval_rows=0, lr=1e-2):
+def make_trainer(
+    out,
+    model,
+    *,
+    max_steps,
+    opt=None,
+    callbacks=(),
+    ga=1,
+    save_steps=0,
+    eval_rows=0,
+    lr=1e-2,
+    max_grad_norm=1.0,
+):
     args = TrainingArguments(
         output_dir=str(out),
         use_cpu=True,
@@ -140,6 +159,7 @@ def make_trainer(out, model, *, max_steps, opt=None, callbacks=(), ga=1, save_st
         learning_rate=lr,
         lr_scheduler_type="linear",
         warmup_steps=0,
+        max_grad_norm=max_grad_norm,
     )
     data = rows()
     return Trainer(
@@ -429,3 +449,168 @@ def test_readme_shows_the_example_verbatim():
     assert EXAMPLE.read_text() in blocks, (
         "the README's Trainer example must be examples/hf_trainer.py verbatim"
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# update_in_backward under the Trainer
+
+
+class GradProbe(TrainerCallback):
+    """Whether any gradient is alive when the Trainer is about to step."""
+
+    def __init__(self, model):
+        self.model = model
+        self.alive: list[bool] = []
+
+    def on_pre_optimizer_step(self, args, state, control, **kw):
+        self.alive.append(any(p.grad is not None for p in self.model.parameters()))
+
+
+class PrevNormClip(TrainerCallback):
+    """Reference for the documented in-backward clipping rule on the normal path: step t's gradients
+    times min(1, c / (||G_{t-1}|| + 1e-6)), the first step unclipped; ||G|| in fp64, rounded to fp32."""
+
+    def __init__(self, model, max_norm):
+        self.model, self.max_norm, self.prev = model, max_norm, None
+
+    def on_pre_optimizer_step(self, args, state, control, **kw):
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        norm = float(torch.stack([g.double().pow(2).sum() for g in grads]).sum().sqrt().float())
+        if self.prev is not None:
+            coef = torch.clamp(self.max_norm / (torch.tensor(self.prev) + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(coef)
+        self.prev = norm
+
+
+def _inb_case(case: str, steps: int, inb: bool):
+    if case == "lowrank_restarts":
+        model = lowrank_model()
+        opt = hf.create_optimizer(
+            model, "adamw", num_training_steps=steps, lr=1e-2, restarts_every=2, update_in_backward=inb
+        )
+    elif case == "galore":
+        model = tiny_model()
+        opt = hf.create_optimizer(
+            model,
+            "galore",
+            num_training_steps=steps,
+            lr=1e-2,
+            rank=8,
+            update_proj_gap=3,
+            update_in_backward=inb,
+        )
+    else:
+        model = tiny_model()
+        opt = hf.create_optimizer(model, case, num_training_steps=steps, lr=1e-2, update_in_backward=inb)
+    return model, opt
+
+
+def _logged(tr: Trainer, key: str) -> dict[int, float]:
+    return {h["step"]: h[key] for h in tr.state.log_history if "loss" in h}
+
+
+def _inb_pair(tmp_path, case, ga, steps, max_grad_norm=0.0, ref_callbacks=lambda model: []):
+    runs = []
+    for inb in (False, True):
+        model, opt = _inb_case(case, steps, inb)
+        probe = GradProbe(model)
+        cbs = [hf.EffPretrainCallback(), probe, *([] if inb else ref_callbacks(model))]
+        tr = make_trainer(
+            tmp_path / str(inb),
+            model,
+            max_steps=steps,
+            opt=opt,
+            callbacks=cbs,
+            ga=ga,
+            max_grad_norm=max_grad_norm if inb else 0.0,
+        )
+        tr.train()
+        runs.append((model, tr, probe))
+    return runs
+
+
+# (method, gradient accumulation, updates): 16 micro-batches an epoch, so accumulation 3 over 7
+# updates has a short sixth update (one micro-batch) at the epoch's end.
+@pytest.mark.parametrize(
+    "case,ga,steps", [("adamw", 2, 6), ("adamw", 3, 7), ("lowrank_restarts", 2, 6), ("galore", 2, 6)]
+)
+def test_update_in_backward_equals_the_trainers_own_steps(case, ga, steps, tmp_path):
+    (ref, normal, ref_probe), (model, tr, probe) = _inb_pair(tmp_path, case, ga, steps)
+    assert ref_probe.alive == [True] * steps and probe.alive == [False] * steps  # freed in backward
+    for p, q in zip(ref.parameters(), model.parameters()):
+        if case == "galore":  # sums projected micro-gradients: proj(back(R) + G_K) = R + proj(G_K) + rounding
+            assert torch.allclose(q, p, rtol=1e-5, atol=1e-5 * float(p.detach().abs().max()))
+        else:  # the same AdamW kernel, on one parameter at a time
+            assert torch.equal(q, p)
+    assert _logged(tr, "learning_rate") == _logged(normal, "learning_rate")  # the schedule's, exactly
+    norms, ref_norms = _logged(tr, "grad_norm"), _logged(normal, "grad_norm")
+    assert sorted(norms) == list(range(1, steps + 1)) and all(v > 0 for v in norms.values())
+    # The Trainer's norm is fp32 norm-of-norms, the engine's an fp64 sum of squares: rounding apart.
+    # GaLore's low-rank accumulators give the norm of back(R) + G_K between refreshes (steps 1, 4 refresh).
+    same = [1, 4] if case == "galore" else list(norms)
+    assert [norms[s] for s in same] == pytest.approx([ref_norms[s] for s in same], rel=1e-6)
+    if case == "lowrank_restarts":
+        wrapper = hf._find_restarts(tr.optimizer)
+        assert (wrapper.num_steps, wrapper.num_restarts) == (steps, steps // 2)  # once per update
+    if ga == 3:
+        epochs = {h["step"]: h["epoch"] for h in tr.state.log_history if "loss" in h}
+        assert (epochs[5], epochs[6]) == (15 / 16, 1.0)  # update 6 was one micro-batch
+
+
+def test_update_in_backward_clips_with_the_previous_steps_norm(tmp_path):
+    c = 1.5  # the tiny model's norms grow from 1.3 to 2.9 over 6 updates: steps 3.. are clipped
+    (ref, normal, _), (model, tr, _) = _inb_pair(
+        tmp_path, "adamw", 2, 6, max_grad_norm=c, ref_callbacks=lambda m: [PrevNormClip(m, c)]
+    )
+    for p, q in zip(ref.parameters(), model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
+    assert _logged(tr, "grad_norm") == pytest.approx(_logged(normal, "grad_norm"), rel=1e-6)
+    assert sum(v > c for v in _logged(tr, "grad_norm").values()) >= 3
+    # ... and clipping changed the run: without it the weights end elsewhere.
+    plain, opt = _inb_case("adamw", 6, False)
+    make_trainer(tmp_path / "plain", plain, max_steps=6, opt=opt, ga=2, max_grad_norm=0.0).train()
+    moved = max(float((p - q).detach().abs().max()) for p, q in zip(plain.parameters(), model.parameters()))
+    assert moved > 1e-4
+
+
+def test_update_in_backward_resumes_exactly_with_clipping(tmp_path):
+    def trainer(out, seed):
+        model = tiny_model(seed)
+        opt = hf.create_optimizer(model, "adamw", num_training_steps=N, lr=1e-2, update_in_backward=True)
+        cb = hf.EffPretrainCallback()
+        return make_trainer(out, model, max_steps=N, opt=opt, callbacks=[cb], ga=2, save_steps=SPLIT)
+
+    straight = trainer(tmp_path / "a", 0)
+    straight.train()
+    ckpt = tmp_path / "a" / f"checkpoint-{SPLIT}"
+    saved = json.loads((ckpt / "trainer_state.json").read_text())["stateful_callbacks"]
+    assert saved["EffPretrainCallback"]["attributes"]["in_backward_prev_norm"] == pytest.approx(
+        _logged(straight, "grad_norm")[SPLIT]
+    )
+    resumed = trainer(tmp_path / "b", 1)
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    a, b = losses(straight), {s: v for s, v in losses(resumed).items() if s > SPLIT}
+    assert sorted(b) == list(range(SPLIT + 1, N + 1)) and b == {s: a[s] for s in b}
+    assert _logged(resumed, "grad_norm")[N] == _logged(straight, "grad_norm")[N]
+
+
+@pytest.mark.parametrize(
+    "setting,message",
+    [
+        ({"fp16": True}, "fp16's GradScaler unscales"),
+        ({"deepspeed": "ds_config.json"}, "DeepSpeed partitions the gradients"),
+        ({}, "needs EffPretrainCallback"),
+    ],
+)
+def test_update_in_backward_refuses_what_the_trainer_makes_impossible(setting, message, tmp_path):
+    model = tiny_model()
+    opt = hf.create_optimizer(model, "adamw", num_training_steps=2, lr=1e-2, update_in_backward=True)
+    cbs = [hf.EffPretrainCallback()] if setting else []
+    tr = make_trainer(tmp_path, model, max_steps=2, opt=opt, callbacks=cbs)
+    before = [p.detach().clone() for p in model.parameters()]
+    for key, value in setting.items():  # what the callback reads when training starts
+        setattr(tr.args, key, value)
+    with pytest.raises((ConfigError, RuntimeError), match=message):
+        tr.train()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))  # nothing stepped
