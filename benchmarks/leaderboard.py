@@ -879,11 +879,18 @@ def gather_rows(
     """
     rows = {r["run"]: r for r in previous}
     for name in names:
-        d = out / "runs" / name
-        row = collect_run(d) if d.is_dir() else None
-        if row is not None and (row.get("status") == "ok" or (rows.get(name) or {}).get("status") != "ok"):
-            rows[name] = row
+        _merge_run(rows, out / "runs" / name)
     return [rows[k] for k in sorted(rows)]
+
+
+def _merge_run(rows: dict[str, dict[str, Any]], run_dir: Path) -> None:
+    """`gather_rows`'s rule for one run folder: its row replaces the recorded one unless only the
+    recorded one is a finished run."""
+    row = collect_run(run_dir) if run_dir.is_dir() else None
+    if row is not None and (
+        row.get("status") == "ok" or (rows.get(run_dir.name) or {}).get("status") != "ok"
+    ):
+        rows[run_dir.name] = row
 
 
 def write_jsonl(rows: Iterable[dict[str, Any]], path: Path) -> None:
@@ -1225,7 +1232,11 @@ def _claim_pareto(claim: Claim, groups: Sequence[_Group]) -> tuple[str, str]:
     evidence = "front (measured peak memory, ppl): " + ", ".join(
         f"{g.method} ({fmt_bytes(g.mean('measured', 'peak'))}, {g.ppl:.2f})" for g in shown
     )
-    where = {"reproduced": "on the front", "within noise": "off it within noise", "not reproduced": "dominated"}
+    where = {
+        "reproduced": "on the front",
+        "within noise": "off it within noise",
+        "not reproduced": "dominated",
+    }
     evidence += "; " + ", ".join(f"{m}: {where[v]}" for m, v in zip(claim.methods, need))
     evidence += f"; low-rank/projected on the front: {', '.join(sorted(g.method for g in low if g.method in front)) or 'none'}"
     return _combine([*need, low_status]), evidence
@@ -1316,7 +1327,7 @@ def _time_cell(g: _Group) -> str:
         _mean((r.get("telemetry") or {}).get("opt/refresh_s") for r in g.rows),
         g.mean("restart_s"),
     ]
-    return " / ".join("-" if v is None else f"{v:.1f}" for v in vals)
+    return " / ".join("-" if v is None else _sig3(v) for v in vals)
 
 
 def _serial_cell(g: _Group) -> str:
@@ -1760,10 +1771,12 @@ def main(argv: Sequence[str] | None = None, runner: Runner | None = None) -> int
     runner = runner or (train_spec if args.in_process else None)
     names = [s.name for s in sweep]
 
-    def save(_spec: RunSpec | None = None) -> None:
+    current = {r["run"]: r for r in previous}
+
+    def save(spec: RunSpec) -> None:
         # results.jsonl grows run by run: commit it while a long grid goes on.
-        out.mkdir(parents=True, exist_ok=True)
-        write_jsonl(gather_rows(out, names, previous), out / "results.jsonl")
+        _merge_run(current, out / "runs" / spec.name)
+        write_jsonl([current[k] for k in sorted(current)], out / "results.jsonl")
 
     failed = run_grid(sweep, out, runner, finished=finished, jobs=args.jobs, after_each=save)["failed"]
     if sweep:
