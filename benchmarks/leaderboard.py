@@ -1,29 +1,73 @@
 """Leaderboard: runs a grid of recipes at equal tokens and publishes memory, speed and perplexity.
 
+The committed CPU study (benchmarks/results/tiny-cpu-study/) is this command:
+
+    python benchmarks/leaderboard.py --grid tiny --sweep lr=x0.5,x1,x2 --seeds 0,1,2 --jobs 2 \
+        --out benchmarks/results/tiny-cpu-study
+
+``--grid tiny`` is every ``recipes/tiny/*.yaml`` at 2,048 tokens per step (``data.seq_len=128``,
+``train.batch_size=16``) and, by default, 1,048,576 tokens per final run (512 steps); the sweep
+trains each method at 0.5x, 1x and 2x its recipe's lr for a quarter of that (128 steps, seed 0),
+then three seeds at the best lr. That is 26 x 3 sweep runs (20.4M tokens) and 26 x 3 final runs
+(81.8M tokens): at about 5,000 tokens/s for the tiny preset on a 2-core CPU, about 5.7 hours,
+plus about 1.3 hours for Muon (about 700 tokens/s on CPU) and less for SWAN. The plan's token
+count is printed first. The same table at 60M on a GPU (the benchmark's 11,000 steps of 131,072
+tokens; the sweep at a quarter of it):
+
+    python benchmarks/leaderboard.py --grid llama_60m --sweep lr=x0.5,x1,x2 --seeds 0,1,2 --out DIR
+
+Other forms:
+
     python benchmarks/leaderboard.py --grid tiny --tokens 200000 --out DIR [--seeds 0,1]
         [--methods adamw,galore] [--recipes recipes/tiny/adamw.yaml ...] [--set key=value ...]
+        [--sweep lr=x0.25,x0.5,x1,x2,x4 | lr=1e-3,3e-3] [--sweep-tokens N] [--sweep-seed K] [--jobs N]
     python benchmarks/leaderboard.py --out DIR          # re-collect and re-render what DIR holds
     python benchmarks/leaderboard.py --paper            # estimator vs the paper's memory table
 
 Each recipe runs once per seed, as ``DIR/runs/<method>-<model>-seed<k>/``, with
 ``train.max_steps = ceil(tokens / (batch_size * grad_accum * seq_len))`` so that every method sees the
-same number of tokens; evaluation is spread over a few points of the run (``--eval-points``). A run
-whose ``summary.json`` exists is skipped, so an interrupted grid resumes where it stopped (a run
-stopped mid-way with a complete checkpoint is resumed from it). A run that crashes is recorded as
-an error and the grid goes on.
+same number of tokens; evaluation is spread over a few points of the run (``--eval-points``).
+
+Learning-rate sweep (``--sweep``): first every method trains each lr of the grid (multiples
+``xM`` of its recipe's ``optim.lr``, or absolute values) on ``--sweep-tokens`` (default a quarter of
+``--tokens``) at ``--sweep-seed`` (default the first seed), as
+``DIR/runs/<method>-<model>-sweep-lr<point>-seed<k>/``; the lr with the lowest final validation
+perplexity (ties to the smaller lr; failed or diverged runs never win) is then trained at every
+seed on the full budget. A choice at either end of the grid is flagged "edge of grid: widen it".
+The choice is a pure function of the sweep rows (`select_lrs`), so it is the same on every
+re-invocation.
+
+Seeds and claims: the table gives each method's mean final perplexity and sample standard
+deviation over seeds, and its difference from AdamW; two methods differ "within noise" when
+|mean_a - mean_b| <= max(sd_a, sd_b) (sd 0 for a single seed). The claims section checks the
+benchmark's claims (`CLAIMS`, data) against the final runs (`evaluate_claims`): reproduced, not
+reproduced, within noise, or not measured (a method missing), with the numbers.
+
+Budgets: the header states tokens per step, steps and tokens per run of the sweep and the final
+runs; fewer than `MIN_TOKENS_PER_STEP` tokens per step, or final runs of fewer than `MIN_STEPS`
+steps, are warned about on stderr and in the markdown.
+
+Resuming: a run is skipped when its ``summary.json`` exists or ``DIR/results.jsonl`` holds a
+finished row of it, so the committed results alone (run folders deleted, a new machine) re-run
+nothing and re-render the same markdown; results.jsonl is rewritten after every run. A run stopped
+mid-way with a complete checkpoint is resumed from it. A run that crashes is recorded as an error
+and the grid goes on (it is retried on the next invocation).
 
 Runs are trained by `effpretrain.trainer.train` in a forked copy of this process (Linux): the fork
 shares the already imported torch/transformers (no per-run import cost), isolates crashes (even a
 segfault), and gives every run its own measured peak memory, which on CPU is the process's peak
-RSS, a high-water mark that would otherwise carry over from one run to the next. The parent does
-not initialise CUDA itself (a forked child could not use it then); should something have done so,
-runs are trained in-process. ``--in-process`` trains in this process always (then the measured
-peak of a run is at least that of the runs before it).
+RSS, a high-water mark that would otherwise carry over from one run to the next. ``--jobs N``
+keeps N forked runs going at once, each on cores / N torch threads. The parent does not
+initialise CUDA itself (a forked child could not use it then); should something have done so,
+runs are trained in-process, one at a time. ``--in-process`` trains in this process always (then
+the measured peak of a run is at least that of the runs before it).
 
-Outputs in DIR: ``results.jsonl`` (one line per run: the run's summary plus hardware, commit, date,
-config hash, token budget, FLOPs per token, optimizer telemetry and the validation curve),
-``LEADERBOARD.md`` (a pure function of those rows) and three plots: ``memory_vs_ppl.png``
-(with the Pareto front), ``val_curves.png`` and ``memory_breakdown.png``.
+Outputs in DIR: ``results.jsonl`` (one line per run: the run's summary plus phase, lr, hardware,
+commit, date, config hash, token budget, FLOPs per token, serial decompositions per update,
+optimizer telemetry, evaluation and restart seconds and the validation curve), ``LEADERBOARD.md``
+(a pure function of those rows) and three plots of the final runs: ``memory_vs_ppl.png`` (with the
+Pareto front), ``val_curves.png`` (every method's validation curve, mean over seeds) and
+``memory_breakdown.png``.
 
 Exit codes: 0 all runs finished; 1 some run failed (recorded in the results); 2 bad input.
 """
@@ -51,12 +95,17 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
-GRIDS = {"tiny": ("tiny",), "paper": ("llama_60m", "llama_130m", "llama_350m", "llama_1b")}
+GRIDS = {
+    "tiny": ("tiny",),
+    "llama_60m": ("llama_60m",),
+    "paper": ("llama_60m", "llama_130m", "llama_350m", "llama_1b"),
+}
 #: Overrides a named grid applies to every run before --set: the tiny preset's budget floors hold
 #: (16 x 128 = 2,048 tokens per step) whatever the recipes say.
-GRID_OVERRIDES = {"tiny": ("data.seq_len=128", "train.batch_size=16", "train.grad_accum=1"), "paper": ()}
-#: --tokens when a named grid is run without it: 512 steps of 2,048 tokens for tiny.
-GRID_TOKENS = {"tiny": 1_048_576}
+GRID_OVERRIDES = {"tiny": ("data.seq_len=128", "train.batch_size=16", "train.grad_accum=1")}
+#: --tokens when a named grid is run without it: 512 steps of 2,048 tokens for tiny; the
+#: benchmark's 11,000 steps of 512 x 256 tokens at 60M.
+GRID_TOKENS = {"tiny": 1_048_576, "llama_60m": 11_000 * 512 * 256}
 #: Budget floors: fewer tokens per step or fewer steps per final run than these draw a warning
 #: (stderr and LEADERBOARD.md): below them the tiny study's ranking is noise and warm-up.
 MIN_TOKENS_PER_STEP = 2_000
@@ -757,11 +806,13 @@ def collect_run(run_dir: Path) -> dict[str, Any] | None:
     curve, telemetry = read_metrics(run_dir / "metrics.jsonl")
     telemetry.update({k: summary[k] for k in TELEMETRY_KEYS if k in summary})
     row["telemetry"] = telemetry
-    row["val_curve"] = curve
-    row["train_s"] = summary["tokens"] / summary["tokens_per_s"] if summary.get("tokens_per_s") else None
     if (run_dir / TIMING_FILE).is_file():
         timing = json.loads((run_dir / TIMING_FILE).read_text())
-        row["eval_s"], row["restart_s"] = timing.get("eval_s"), timing.get("restart_s")
+        row["eval_s"] = timing.get("eval_s")
+        if "opt/restarts" in telemetry:  # a run without restarts has no restart time, not 0 s
+            row["restart_s"] = timing.get("restart_s")
+    row["val_curve"] = curve
+    row["train_s"] = summary["tokens"] / summary["tokens_per_s"] if summary.get("tokens_per_s") else None
     cfg_path = run_dir / "config.yaml"
     if cfg_path.is_file():
         import yaml
@@ -1648,7 +1699,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         epilog="With only --out: re-collect DIR/runs (or read DIR/results.jsonl) and re-render.",
     )
     ap.add_argument(
-        "--grid", choices=sorted(GRIDS), help="tiny: recipes/tiny/*.yaml; paper: recipes/llama_*/"
+        "--grid",
+        choices=sorted(GRIDS),
+        help="tiny: recipes/tiny/*.yaml; llama_60m: recipes/llama_60m/*.yaml; paper: recipes/llama_*/",
     )
     ap.add_argument(
         "--recipes", nargs="+", type=Path, default=[], help="recipe files (instead of / beside --grid)"
