@@ -535,6 +535,7 @@ def prewarm_imports() -> None:
 def _child_main(spec: RunSpec, run_dir: Path, conn: Any, threads: int | None = None) -> None:
     code = 0
     try:
+        # Without a thread count, the two-argument call (torch's default threads; what tests replace).
         train_spec(spec, run_dir, threads) if threads else train_spec(spec, run_dir)
         conn.send(("ok", ""))
     except KeyboardInterrupt:

@@ -361,6 +361,12 @@ def test_fixture_grid_sweeps_selects_flags_runs_seeds_and_resumes_from_results_a
     )
     assert "| adamw | 0.0005: 110.00; **0.001: 100.00**; 0.002: 110.00 | 0.001 | - |" in md
     assert "| 1 | adamw | 0.001 | 100.50 ± 0.50 (n=3) | - |" in md
+    galore_row = next(line for line in md.splitlines() if line.startswith("| 3 | galore | 0.02 |"))
+    assert "| +10.00 | 80.0 MB (0.80x) |" in galore_row and "| 0.08 (4 per refresh / 50) |" in galore_row
+    assert final["lowrank_restarts-tiny-seed0"]["serial"] == {
+        "per_update": 0.06,
+        "detail": "3 per restart / 50",
+    }
     verdicts = {c["claim"]: c["verdict"] for c in lb.evaluate_claims(rows)}
     assert verdicts == {
         "full_rank_best": "reproduced",
