@@ -487,7 +487,8 @@ def run_forked(
                     interrupted, msg = True, None
                 child.join()
                 conn.close()
-                outcome = _outcome(child.exitcode, msg)
+                # After Ctrl-C or SIGTERM a child's end is its interruption, not a failure to record.
+                outcome = KeyboardInterrupt() if interrupted else _outcome(child.exitcode, msg)
                 interrupted = interrupted or isinstance(outcome, KeyboardInterrupt)
                 on_done(spec, outcome)
     finally:
@@ -534,6 +535,8 @@ def prewarm_imports() -> None:
 
 def _child_main(spec: RunSpec, run_dir: Path, conn: Any, threads: int | None = None) -> None:
     code = 0
+    # The fork inherited the grid's SIGTERM forwarding: a child's own SIGTERM is the trainer's.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         # Without a thread count, the two-argument call (torch's default threads; what tests replace).
         train_spec(spec, run_dir, threads) if threads else train_spec(spec, run_dir)

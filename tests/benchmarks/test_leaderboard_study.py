@@ -449,3 +449,43 @@ def test_jobs_run_forked_runs_side_by_side_on_a_share_of_the_cores(tmp_path, mon
     assert all(r["threads"] == max(1, lb._cores() // 2) for r in recs)
     first, second = recs[0], recs[1]
     assert second["start"] < first["end"]  # the first two ran at the same time
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forked runs are the Linux default")
+def test_jobs_sigterm_stops_every_running_run_and_starts_no_more(tmp_path, monkeypatch):
+    import os
+    import signal
+    import threading
+
+    def fake_train(spec, run_dir: Path, threads=None) -> None:  # in the forked child, as the trainer:
+        stop = []  # SIGTERM finishes the step, saves, and the run reports it stopped
+        signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+        (run_dir / "started").write_text("")
+        deadline = time.time() + 30
+        while not stop and time.time() < deadline:
+            time.sleep(0.05)
+        (run_dir / "stopped").write_text("")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lb, "train_spec", fake_train)
+    monkeypatch.setattr(lb, "prewarm_imports", lambda: None)
+    specs = [
+        lb.RunSpec(f"m{i}-tiny-seed0", "recipes/tiny/adamw.yaml", f"m{i}", "tiny", 0, 1, 1, (), "h")
+        for i in range(3)
+    ]
+    runs = tmp_path / "runs"
+
+    def terminate_when_both_started():
+        deadline = time.time() + 30
+        while time.time() < deadline and not all((runs / s.name / "started").exists() for s in specs[:2]):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=terminate_when_both_started, daemon=True).start()
+    lines: list[str] = []
+    with pytest.raises(KeyboardInterrupt):
+        lb.run_grid(specs, tmp_path, log=lines.append, jobs=2)
+    assert all((runs / s.name / "stopped").exists() for s in specs[:2])
+    assert not (runs / specs[2].name).exists()  # never started
+    assert not any((runs / s.name / lb.ERROR_FILE).exists() for s in specs[:2])  # not failures
+    assert sum("interrupted; run the same command again" in line for line in lines) == 2
