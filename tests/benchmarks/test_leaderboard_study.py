@@ -435,7 +435,7 @@ def test_jobs_run_forked_runs_side_by_side_on_a_share_of_the_cores(tmp_path, mon
         if threads:
             torch.set_num_threads(threads)
         start = time.time()
-        time.sleep(0.5)
+        time.sleep(1.0)
         record = {"start": start, "end": time.time(), "threads": torch.get_num_threads()}
         (run_dir / "summary.json").write_text(json.dumps(record))
 
