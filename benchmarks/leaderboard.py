@@ -1,29 +1,73 @@
 """Leaderboard: runs a grid of recipes at equal tokens and publishes memory, speed and perplexity.
 
+The committed CPU study (benchmarks/results/tiny-cpu-study/) is this command:
+
+    python benchmarks/leaderboard.py --grid tiny --sweep lr=x0.5,x1,x2 --seeds 0,1,2 --jobs 2 \
+        --out benchmarks/results/tiny-cpu-study
+
+``--grid tiny`` is every ``recipes/tiny/*.yaml`` at 2,048 tokens per step (``data.seq_len=128``,
+``train.batch_size=16``) and, by default, 1,048,576 tokens per final run (512 steps); the sweep
+trains each method at 0.5x, 1x and 2x its recipe's lr for a quarter of that (128 steps, seed 0),
+then three seeds at the best lr. That is 26 x 3 sweep runs (20.4M tokens) and 26 x 3 final runs
+(81.8M tokens): at about 5,000 tokens/s for the tiny preset on a 2-core CPU, about 5.7 hours,
+plus about 1.3 hours for Muon (about 700 tokens/s on CPU) and less for SWAN. The plan's token
+count is printed first. The same table at 60M on a GPU (the benchmark's 11,000 steps of 131,072
+tokens; the sweep at a quarter of it):
+
+    python benchmarks/leaderboard.py --grid llama_60m --sweep lr=x0.5,x1,x2 --seeds 0,1,2 --out DIR
+
+Other forms:
+
     python benchmarks/leaderboard.py --grid tiny --tokens 200000 --out DIR [--seeds 0,1]
         [--methods adamw,galore] [--recipes recipes/tiny/adamw.yaml ...] [--set key=value ...]
+        [--sweep lr=x0.25,x0.5,x1,x2,x4 | lr=1e-3,3e-3] [--sweep-tokens N] [--sweep-seed K] [--jobs N]
     python benchmarks/leaderboard.py --out DIR          # re-collect and re-render what DIR holds
     python benchmarks/leaderboard.py --paper            # estimator vs the paper's memory table
 
 Each recipe runs once per seed, as ``DIR/runs/<method>-<model>-seed<k>/``, with
 ``train.max_steps = ceil(tokens / (batch_size * grad_accum * seq_len))`` so that every method sees the
-same number of tokens; evaluation is spread over a few points of the run (``--eval-points``). A run
-whose ``summary.json`` exists is skipped, so an interrupted grid resumes where it stopped (a run
-stopped mid-way with a complete checkpoint is resumed from it). A run that crashes is recorded as
-an error and the grid goes on.
+same number of tokens; evaluation is spread over a few points of the run (``--eval-points``).
+
+Learning-rate sweep (``--sweep``): first every method trains each lr of the grid (multiples
+``xM`` of its recipe's ``optim.lr``, or absolute values) on ``--sweep-tokens`` (default a quarter of
+``--tokens``) at ``--sweep-seed`` (default the first seed), as
+``DIR/runs/<method>-<model>-sweep-lr<point>-seed<k>/``; the lr with the lowest final validation
+perplexity (ties to the smaller lr; failed or diverged runs never win) is then trained at every
+seed on the full budget. A choice at either end of the grid is flagged "edge of grid: widen it".
+The choice is a pure function of the sweep rows (`select_lrs`), so it is the same on every
+re-invocation.
+
+Seeds and claims: the table gives each method's mean final perplexity and sample standard
+deviation over seeds, and its difference from AdamW; two methods differ "within noise" when
+|mean_a - mean_b| <= max(sd_a, sd_b) (sd 0 for a single seed). The claims section checks the
+benchmark's claims (`CLAIMS`, data) against the final runs (`evaluate_claims`): reproduced, not
+reproduced, within noise, or not measured (a method missing), with the numbers.
+
+Budgets: the header states tokens per step, steps and tokens per run of the sweep and the final
+runs; fewer than `MIN_TOKENS_PER_STEP` tokens per step, or final runs of fewer than `MIN_STEPS`
+steps, are warned about on stderr and in the markdown.
+
+Resuming: a run is skipped when its ``summary.json`` exists or ``DIR/results.jsonl`` holds a
+finished row of it, so the committed results alone (run folders deleted, a new machine) re-run
+nothing and re-render the same markdown; results.jsonl is rewritten after every run. A run stopped
+mid-way with a complete checkpoint is resumed from it. A run that crashes is recorded as an error
+and the grid goes on (it is retried on the next invocation).
 
 Runs are trained by `effpretrain.trainer.train` in a forked copy of this process (Linux): the fork
 shares the already imported torch/transformers (no per-run import cost), isolates crashes (even a
 segfault), and gives every run its own measured peak memory, which on CPU is the process's peak
-RSS, a high-water mark that would otherwise carry over from one run to the next. The parent does
-not initialise CUDA itself (a forked child could not use it then); should something have done so,
-runs are trained in-process. ``--in-process`` trains in this process always (then the measured
-peak of a run is at least that of the runs before it).
+RSS, a high-water mark that would otherwise carry over from one run to the next. ``--jobs N``
+keeps N forked runs going at once, each on cores / N torch threads. The parent does not
+initialise CUDA itself (a forked child could not use it then); should something have done so,
+runs are trained in-process, one at a time. ``--in-process`` trains in this process always (then
+the measured peak of a run is at least that of the runs before it).
 
-Outputs in DIR: ``results.jsonl`` (one line per run: the run's summary plus hardware, commit, date,
-config hash, token budget, FLOPs per token, optimizer telemetry and the validation curve),
-``LEADERBOARD.md`` (a pure function of those rows) and three plots: ``memory_vs_ppl.png``
-(with the Pareto front), ``val_curves.png`` and ``memory_breakdown.png``.
+Outputs in DIR: ``results.jsonl`` (one line per run: the run's summary plus phase, lr, hardware,
+commit, date, config hash, token budget, FLOPs per token, serial decompositions per update,
+optimizer telemetry, evaluation and restart seconds and the validation curve), ``LEADERBOARD.md``
+(a pure function of those rows) and three plots of the final runs: ``memory_vs_ppl.png`` (with the
+Pareto front), ``val_curves.png`` (every method's validation curve, mean over seeds) and
+``memory_breakdown.png``.
 
 Exit codes: 0 all runs finished; 1 some run failed (recorded in the results); 2 bad input.
 """
@@ -31,8 +75,10 @@ Exit codes: 0 all runs finished; 1 some run failed (recorded in the results); 2 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime as dt
+import functools
 import json
 import math
 import os
@@ -42,17 +88,32 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
-GRIDS = {"tiny": ("tiny",), "paper": ("llama_60m", "llama_130m", "llama_350m", "llama_1b")}
+GRIDS = {
+    "tiny": ("tiny",),
+    "llama_60m": ("llama_60m",),
+    "paper": ("llama_60m", "llama_130m", "llama_350m", "llama_1b"),
+}
+#: Overrides a named grid applies to every run before --set: the tiny preset's budget floors hold
+#: (16 x 128 = 2,048 tokens per step) whatever the recipes say.
+GRID_OVERRIDES = {"tiny": ("data.seq_len=128", "train.batch_size=16", "train.grad_accum=1")}
+#: --tokens when a named grid is run without it: 512 steps of 2,048 tokens for tiny; the
+#: benchmark's 11,000 steps of 512 x 256 tokens at 60M.
+GRID_TOKENS = {"tiny": 1_048_576, "llama_60m": 11_000 * 512 * 256}
+#: Budget floors: fewer tokens per step or fewer steps per final run than these draw a warning
+#: (stderr and LEADERBOARD.md): below them the tiny study's ranking is noise and warm-up.
+MIN_TOKENS_PER_STEP = 2_000
+MIN_STEPS = 500
 BASELINE = "adamw"
 RUN_RECORD = "leaderboard_run.json"  # the planned spec, written into each run dir
 ERROR_FILE = "leaderboard_error.txt"  # written by the grid when a run fails
+TIMING_FILE = "leaderboard_timing.json"  # seconds in evaluation and restarts, measured by the grid
 PLOTS = {
     "memory_vs_ppl.png": "memory vs validation perplexity (Pareto front)",
     "val_curves.png": "validation perplexity vs tokens",
@@ -90,7 +151,7 @@ def eval_every_for(steps: int, points: int) -> int:
 class RunSpec:
     """One planned training run of the grid."""
 
-    name: str  # <method>-<model>-seed<k>: the run's folder under DIR/runs
+    name: str  # <method>-<model>[-sweep-lr<label>]-seed<k>: the run's folder under DIR/runs
     recipe: str  # path relative to the repository root where possible
     method: str
     model: str
@@ -99,6 +160,48 @@ class RunSpec:
     steps: int
     overrides: tuple[str, ...]
     config_hash: str
+    phase: str = "final"  # "sweep" (a short learning-rate trial) or "final" (the full budget)
+    lr: float | None = None  # the run's peak learning rate (optim.lr after overrides)
+    lr_label: str | None = None  # the sweep point that gave it ("x0.5", "3e-3"); None off the sweep
+    tokens_per_step: int = 0
+
+
+@dataclass(frozen=True)
+class LrPoint:
+    """One point of ``--sweep lr=...``: a multiple of the recipe's ``optim.lr`` or an absolute lr."""
+
+    label: str
+    multiplier: float | None = None
+    value: float | None = None
+
+    def lr(self, recipe_lr: float) -> float:
+        return (
+            float(self.value) if self.value is not None else float(recipe_lr) * float(self.multiplier or 1.0)
+        )
+
+
+def parse_sweep(text: str) -> list[LrPoint]:
+    """``lr=x0.25,x0.5,x1,x2,x4`` (multiples of each recipe's lr) or ``lr=1e-3,3e-3`` (absolute)."""
+    key, sep, values = text.partition("=")
+    if key.strip() != "lr" or not sep:
+        raise BadInput(f"--sweep: expected lr=x0.5,x1,x2 or lr=1e-3,3e-3, got {text!r}")
+    points: list[LrPoint] = []
+    for item in (v.strip() for v in values.split(",")):
+        if not item:
+            continue
+        try:
+            number = float(item[1:] if item.startswith("x") else item)
+        except ValueError:
+            raise BadInput(f"--sweep: {item!r} is neither xMULTIPLIER nor a number") from None
+        if not math.isfinite(number) or number <= 0:
+            raise BadInput(f"--sweep: {item!r} must be a positive number")
+        is_mult = item.startswith("x")
+        points.append(
+            LrPoint(item, multiplier=number if is_mult else None, value=None if is_mult else number)
+        )
+    if not points or len({p.label for p in points}) != len(points):
+        raise BadInput(f"--sweep: expected distinct points, got {text!r}")
+    return points
 
 
 def grid_recipes(grid: str, recipes_root: Path = RECIPES) -> list[Path]:
@@ -126,8 +229,11 @@ def plan_runs(
     methods: Iterable[str] | None = None,
     extra_overrides: Sequence[str] = (),
     eval_points: int = 4,
+    *,
+    sweep: Sequence[LrPoint] | None = None,
+    lrs: Mapping[tuple[str, str], float] | None = None,
 ) -> list[RunSpec]:
-    """Loads each recipe and builds its equal-token runs, one per seed.
+    """Loads each recipe and builds its equal-token runs, one per seed (and sweep point).
 
     Args:
         recipes: recipe YAML files.
@@ -137,9 +243,12 @@ def plan_runs(
             listed; None keeps all.
         extra_overrides: ``key=value`` overrides applied to every run before the budget.
         eval_points: about how many evaluations each run makes.
+        sweep: plan the learning-rate sweep instead: one run per point and seed, phase "sweep".
+        lrs: final runs at these learning rates, by (model, method); a recipe whose (model,
+            method) is missing is left out (its sweep chose nothing). None: the recipes' own lr.
 
     Returns:
-        The runs, in recipe order then seed order.
+        The runs, in recipe order, then sweep point order, then seed order.
     """
     from effpretrain.config import config_hash, load_config
     from effpretrain.errors import ConfigError
@@ -155,38 +264,77 @@ def plan_runs(
         if wanted is not None and base.method not in wanted:
             continue
         t = base.train
+        per_step = t.batch_size * t.grad_accum * base.data.seq_len
         steps = steps_for_tokens(tokens, t.batch_size, t.grad_accum, base.data.seq_len)
-        for seed in seeds:
-            overrides = (
-                *extra_overrides,
-                f"train.max_steps={steps}",
-                f"train.eval_every={eval_every_for(steps, eval_points)}",
-                "train.save_every=0",  # only the final checkpoint: mid-run saves only cost time here
-                f"train.seed={seed}",
-            )
-            cfg = load_config(recipe, list(overrides))
-            name = f"{cfg.method}-{cfg.model.preset}-seed{seed}"
-            if name in seen:
-                raise BadInput(f"two recipes give the same run name {name!r}: set a distinct `method` in one")
-            seen.add(name)
-            specs.append(
-                RunSpec(
-                    name=name,
-                    recipe=_display_path(recipe),
-                    method=cfg.method,
-                    model=cfg.model.preset,
-                    seed=seed,
-                    token_budget=tokens,
-                    steps=steps,
-                    overrides=overrides,
-                    config_hash=config_hash(cfg),
+        if sweep is not None:
+            points: list[tuple[str | None, float]] = [(p.label, p.lr(base.optim.lr)) for p in sweep]
+        elif lrs is not None:
+            if (base.model.preset, base.method) not in lrs:
+                continue
+            points = [(None, lrs[base.model.preset, base.method])]
+        else:
+            points = [(None, base.optim.lr)]
+        for label, lr in points:
+            for seed in seeds:
+                overrides = (
+                    *extra_overrides,
+                    *((f"optim.lr={lr!r}",) if lr != base.optim.lr else ()),
+                    f"train.max_steps={steps}",
+                    f"train.eval_every={eval_every_for(steps, eval_points)}",
+                    "train.save_every=0",  # only the final checkpoint: mid-run saves only cost time here
+                    f"train.seed={seed}",
                 )
-            )
+                cfg = load_config(recipe, list(overrides))
+                trial = f"-sweep-lr{label}" if label is not None else ""
+                name = f"{cfg.method}-{cfg.model.preset}{trial}-seed{seed}"
+                if name in seen:
+                    raise BadInput(
+                        f"two recipes give the same run name {name!r}: set a distinct `method` in one"
+                    )
+                seen.add(name)
+                specs.append(
+                    RunSpec(
+                        name=name,
+                        recipe=_display_path(recipe),
+                        method=cfg.method,
+                        model=cfg.model.preset,
+                        seed=seed,
+                        token_budget=tokens,
+                        steps=steps,
+                        overrides=overrides,
+                        config_hash=config_hash(cfg),
+                        phase="sweep" if sweep is not None else "final",
+                        lr=cfg.optim.lr,
+                        lr_label=label,
+                        tokens_per_step=per_step,
+                    )
+                )
     if wanted is not None:
         missing = wanted - {s.method for s in specs}
-        if missing:
+        if missing and lrs is None:
             raise BadInput(f"--methods: no recipe for {', '.join(sorted(missing))}")
     return specs
+
+
+def budget_warnings(specs: Iterable[RunSpec]) -> list[str]:
+    """The budget floors a plan misses: tokens per step below `MIN_TOKENS_PER_STEP` (any phase) and
+    final runs of fewer than `MIN_STEPS` steps (a sweep is short on purpose)."""
+    out = []
+    for phase in ("sweep", "final"):
+        ss = [s for s in specs if s.phase == phase]
+        small = sorted({s.tokens_per_step for s in ss if s.tokens_per_step < MIN_TOKENS_PER_STEP})
+        if small:
+            out.append(
+                f"{phase} runs train {', '.join(f'{t:,}' for t in small)} tokens per step, below the floor of "
+                f"{MIN_TOKENS_PER_STEP:,} (raise train.batch_size or data.seq_len)"
+            )
+        short = sorted({s.steps for s in ss if s.steps < MIN_STEPS})
+        if short and phase == "final":
+            out.append(
+                f"final runs take {', '.join(map(str, short))} steps, below the floor of {MIN_STEPS} "
+                "(raise --tokens)"
+            )
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -195,67 +343,175 @@ def plan_runs(
 Runner = Callable[[RunSpec, Path], None]
 
 
-def train_spec(spec: RunSpec, run_dir: Path) -> None:
-    """Trains one planned run into `run_dir` in this process (resuming from its checkpoint if any)."""
+@contextlib.contextmanager
+def timed_events(run_dir: Path) -> Iterator[dict[str, float]]:
+    """Times evaluation (`Trainer.evaluate`) and restarts (`Restarts.restart`) while a run trains
+    here, and adds the seconds to ``run_dir/leaderboard_timing.json`` (``eval_s``, ``restart_s``;
+    summed over the processes of a resumed run). The trainer times its steps and basis refreshes
+    itself but not these two; the patch is undone on exit (and dies with a forked child)."""
+    from effpretrain.trainer import Trainer
+    from optimizers.restarts import Restarts
+
+    spent = {"eval_s": 0.0, "restart_s": 0.0}
+    originals = [(Trainer, "evaluate", "eval_s"), (Restarts, "restart", "restart_s")]
+    saved = []
+    for cls, attr, key in originals:
+        fn = cls.__dict__[attr]
+
+        def timed(self: Any, *args: Any, _fn: Any = fn, _key: str = key, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _fn(self, *args, **kwargs)
+            finally:
+                spent[_key] += time.perf_counter() - t0
+
+        saved.append((cls, attr, fn))
+        setattr(cls, attr, functools.wraps(fn)(timed))
+    try:
+        yield spent
+    finally:
+        for cls, attr, fn in saved:
+            setattr(cls, attr, fn)
+        path = run_dir / TIMING_FILE
+        try:
+            before = json.loads(path.read_text()) if path.is_file() else {}
+        except ValueError:
+            before = {}
+        total = {k: float(before.get(k, 0.0)) + v for k, v in spent.items()}
+        path.write_text(json.dumps(total, sort_keys=True) + "\n")
+
+
+def train_spec(spec: RunSpec, run_dir: Path, threads: int | None = None) -> None:
+    """Trains one planned run into `run_dir` in this process (resuming from its checkpoint if any),
+    on `threads` torch threads when given (parallel runs share the cores)."""
     from effpretrain import checkpoint as ckpt
     from effpretrain.config import load_config
     from effpretrain.trainer import train
 
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     recipe = Path(spec.recipe)
     cfg = load_config(recipe if recipe.is_absolute() else ROOT / recipe, list(spec.overrides))
     resume = "auto" if ckpt.complete_checkpoints(run_dir / "checkpoints") else None
-    summary = train(cfg, run_dir, resume=resume)
+    with timed_events(run_dir):
+        summary = train(cfg, run_dir, resume=resume)
     if "stopped_by_signal" in summary:
         raise KeyboardInterrupt
 
 
+def _cuda_initialised() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
+
+
 def forked_runner(spec: RunSpec, run_dir: Path) -> None:
     """Runs `train_spec` in a forked child; raises RuntimeError with the child's error if it fails."""
-    import multiprocessing as mp
-
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
+    if _cuda_initialised():
         # A forked child cannot use CUDA once the parent initialised it: train here instead.
         return train_spec(spec, run_dir)
+    outcome: list[BaseException | None] = []
+    run_forked(
+        [(spec, run_dir)],
+        jobs=1,
+        threads=None,
+        on_start=lambda _: None,
+        on_done=lambda _, e: outcome.append(e),
+    )
+    if outcome and outcome[0] is not None:
+        raise outcome[0]
+
+
+def run_forked(
+    items: Sequence[tuple[RunSpec, Path]],
+    jobs: int,
+    threads: int | None,
+    on_start: Callable[[RunSpec], None],
+    on_done: Callable[[RunSpec, BaseException | None], None],
+) -> None:
+    """Trains `items` in forked children, at most `jobs` at once, each on `threads` torch threads.
+
+    `on_start` runs before a child is forked; `on_done` gets each run's outcome as it ends: None,
+    RuntimeError (the child's error, or how it died) or KeyboardInterrupt (it stopped on a signal,
+    after saving a checkpoint). SIGTERM is passed on to every running child; Ctrl-C (which reaches
+    the children too) and SIGTERM start no new run and wait for the running ones to save and stop,
+    then raise KeyboardInterrupt.
+    """
+    import multiprocessing as mp
+    from multiprocessing.connection import wait
+
     ctx = mp.get_context("fork")
-    recv, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_child_main, args=(spec, run_dir, send), name=f"leaderboard-{spec.name}")
-    child.start()
-    send.close()  # the child holds the only write end now: EOF as soon as it dies
+    pending = list(items)
+    running: dict[Any, tuple[Any, RunSpec]] = {}
     interrupted = False
 
     def forward_sigterm(signum: int, _frame: Any) -> None:
         # An orphaned child would train on: pass the signal on, it saves a checkpoint and stops.
         nonlocal interrupted
         interrupted = True
-        os.kill(child.pid, signum)
+        for child, _ in running.values():
+            os.kill(child.pid, signum)
 
     try:
         old_handler = signal.signal(signal.SIGTERM, forward_sigterm)
     except ValueError:  # not the main thread: signals stay with whoever owns them
         old_handler = None
-    msg: tuple[str, str] | None = None
     try:
-        while msg is None:
-            try:
-                msg = recv.recv()
-            except EOFError:
+        while pending or running:
+            while pending and len(running) < jobs and not interrupted:
+                spec, run_dir = pending.pop(0)
+                on_start(spec)
+                recv, send = ctx.Pipe(duplex=False)
+                child = ctx.Process(
+                    target=_child_main, args=(spec, run_dir, send, threads), name=f"leaderboard-{spec.name}"
+                )
+                child.start()
+                send.close()  # the child holds the only write end now: EOF as soon as it dies
+                running[recv] = (child, spec)
+            if not running:
                 break
+            try:
+                ready = wait(list(running))
             except KeyboardInterrupt:
-                # Ctrl-C reaches the child too; it finishes its step and saves a checkpoint: wait for it.
+                # Ctrl-C reaches the children too; each finishes its step and saves: wait for them.
                 interrupted = True
-        child.join()
+                continue
+            for conn in ready:
+                child, spec = running.pop(conn)
+                try:
+                    msg = conn.recv()
+                except EOFError:
+                    msg = None
+                except KeyboardInterrupt:
+                    interrupted, msg = True, None
+                child.join()
+                conn.close()
+                # After Ctrl-C or SIGTERM a child's end is its interruption, not a failure to record.
+                outcome = KeyboardInterrupt() if interrupted else _outcome(child.exitcode, msg)
+                interrupted = interrupted or isinstance(outcome, KeyboardInterrupt)
+                on_done(spec, outcome)
     finally:
         if old_handler is not None:
             signal.signal(signal.SIGTERM, old_handler)
-    if interrupted or (msg is not None and msg[0] == "stopped"):
+    if interrupted:
         raise KeyboardInterrupt
+
+
+def _outcome(exitcode: int | None, msg: tuple[str, str] | None) -> BaseException | None:
+    """What a child's last message (None: it died without one) and exit code say."""
     if msg is None:
-        code = child.exitcode
-        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        raise RuntimeError(f"training process died without a result ({how})")
+        how = (
+            f"killed by signal {-exitcode}"
+            if exitcode is not None and exitcode < 0
+            else f"exit code {exitcode}"
+        )
+        return RuntimeError(f"training process died without a result ({how})")
+    if msg[0] == "stopped":
+        return KeyboardInterrupt()
     if msg[0] == "error":
-        raise RuntimeError(msg[1])
+        return RuntimeError(msg[1])
+    return None
 
 
 def prewarm_imports() -> None:
@@ -277,10 +533,13 @@ def prewarm_imports() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM  # noqa: F401
 
 
-def _child_main(spec: RunSpec, run_dir: Path, conn: Any) -> None:
+def _child_main(spec: RunSpec, run_dir: Path, conn: Any, threads: int | None = None) -> None:
     code = 0
+    # The fork inherited the grid's SIGTERM forwarding: a child's own SIGTERM is the trainer's.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
-        train_spec(spec, run_dir)
+        # Without a thread count, the two-argument call (torch's default threads; what tests replace).
+        train_spec(spec, run_dir, threads) if threads else train_spec(spec, run_dir)
         conn.send(("ok", ""))
     except KeyboardInterrupt:
         conn.send(("stopped", ""))
@@ -316,17 +575,31 @@ def _prepare_run_dir(spec: RunSpec, run_dir: Path) -> None:
     (run_dir / RUN_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def run_grid(
     specs: Sequence[RunSpec],
     out: Path,
     runner: Runner | None = None,
     log: Callable[[str], None] = print,
     clock: Callable[[], float] = time.monotonic,
+    *,
+    finished: Mapping[str, dict[str, Any]] | None = None,
+    jobs: int = 1,
+    after_each: Callable[[RunSpec], None] | None = None,
 ) -> dict[str, list[str]]:
-    """Runs every spec whose ``summary.json`` is missing; returns the names done/skipped/failed.
+    """Runs every spec not finished yet; returns the names done/skipped/failed.
 
-    A failure (any exception from `runner`) is written to the run's ``leaderboard_error.txt`` and
-    the grid continues; KeyboardInterrupt stops the grid after the current run saved a checkpoint.
+    A run is finished when its ``summary.json`` exists or `finished` (the rows of a results.jsonl)
+    holds an ok row of that name: the committed results alone are enough to resume on a new
+    machine. A failure (any exception from `runner`) is written to the run's
+    ``leaderboard_error.txt`` and the grid continues; KeyboardInterrupt stops the grid after the
+    current runs saved a checkpoint.
 
     Args:
         specs: the planned runs.
@@ -334,43 +607,78 @@ def run_grid(
         runner: trains one spec into a folder; default `forked_runner` on Linux, else `train_spec`.
         log: where progress lines go.
         clock: seconds, for elapsed time and ETA.
+        finished: results rows by run name.
+        jobs: with the default runner on Linux, this many forked runs at once, each on
+            ``cores // jobs`` torch threads; another runner always runs one at a time.
+        after_each: called after every run that ran (to write results.jsonl as the grid goes).
     """
+    finished = finished or {}
     result: dict[str, list[str]] = {"done": [], "skipped": [], "failed": []}
-    todo = [s for s in specs if not (out / "runs" / s.name / "summary.json").is_file()]
+
+    def done_before(s: RunSpec) -> str | None:
+        if (out / "runs" / s.name / "summary.json").is_file():
+            return "summary.json exists"
+        return "in results.jsonl" if (finished.get(s.name) or {}).get("status") == "ok" else None
+
+    todo = [s for s in specs if done_before(s) is None]
+    pool = runner is None and sys.platform.startswith("linux") and not _cuda_initialised()
     if runner is None:
         runner = forked_runner if sys.platform.startswith("linux") else train_spec
-    if runner is forked_runner and todo:
+    if pool and todo:
         prewarm_imports()
-    n, start, ran = len(specs), clock(), 0
+    n, start = len(specs), clock()
+    index = {s.name: i for i, s in enumerate(specs, 1)}
+    t0: dict[str, float] = {}
     log(f"leaderboard: {n} runs, {n - len(todo)} already finished, {len(todo)} to run")
-    for i, spec in enumerate(specs, 1):
-        run_dir = out / "runs" / spec.name
-        if (run_dir / "summary.json").is_file():
-            stale = _stale_note(spec, run_dir)
-            log(f"[{i}/{n}] {spec.name}: skipped (summary.json exists){stale}")
-            result["skipped"].append(spec.name)
-            continue
+
+    def on_start(spec: RunSpec) -> None:
+        ran = len(result["done"]) + len(result["failed"])
         elapsed = clock() - start
-        left = len(todo) - ran
-        eta = f", ETA {_fmt_duration(elapsed / ran * left)}" if ran else ""
-        took = f"elapsed {_fmt_duration(elapsed)}{eta}"
-        log(f"[{i}/{n}] {spec.name}: {spec.steps} steps ({spec.recipe}), {took}")
-        _prepare_run_dir(spec, run_dir)
-        t0 = clock()
-        try:
-            runner(spec, run_dir)
-        except KeyboardInterrupt:
+        eta = f", ETA {_fmt_duration(elapsed / ran * (len(todo) - ran))}" if ran else ""
+        log(
+            f"[{index[spec.name]}/{n}] {spec.name}: {spec.steps} steps ({spec.recipe}), elapsed {_fmt_duration(elapsed)}{eta}"
+        )
+        _prepare_run_dir(spec, out / "runs" / spec.name)
+        t0[spec.name] = clock()
+
+    def on_done(spec: RunSpec, error: BaseException | None) -> None:
+        i, took = index[spec.name], _fmt_duration(clock() - t0[spec.name])
+        if isinstance(error, KeyboardInterrupt):
             log(f"[{i}/{n}] {spec.name}: interrupted; run the same command again to resume")
-            raise
-        except Exception as e:
-            msg = str(e).strip() or type(e).__name__
-            (run_dir / ERROR_FILE).write_text(msg + "\n")
-            log(f"[{i}/{n}] {spec.name}: FAILED after {_fmt_duration(clock() - t0)}: {msg.splitlines()[0]}")
-            result["failed"].append(spec.name)
-        else:
-            log(f"[{i}/{n}] {spec.name}: done in {_fmt_duration(clock() - t0)}")
+            return
+        if error is None:
+            log(f"[{i}/{n}] {spec.name}: done in {took}")
             result["done"].append(spec.name)
-        ran += 1
+        else:
+            msg = str(error).strip() or type(error).__name__
+            (out / "runs" / spec.name / ERROR_FILE).write_text(msg + "\n")
+            log(f"[{i}/{n}] {spec.name}: FAILED after {took}: {msg.splitlines()[0]}")
+            result["failed"].append(spec.name)
+        if after_each is not None:
+            after_each(spec)
+
+    for spec in specs:
+        why = done_before(spec)
+        if why is not None:
+            stale = _stale_note(spec, out / "runs" / spec.name, finished.get(spec.name))
+            log(f"[{index[spec.name]}/{n}] {spec.name}: skipped ({why}){stale}")
+            result["skipped"].append(spec.name)
+        elif pool and jobs > 1:
+            continue  # started by the pool below, in plan order
+        else:
+            on_start(spec)
+            try:
+                runner(spec, out / "runs" / spec.name)
+            except KeyboardInterrupt:
+                on_done(spec, KeyboardInterrupt())
+                raise
+            except Exception as e:
+                on_done(spec, e)
+            else:
+                on_done(spec, None)
+    if pool and jobs > 1:
+        threads = max(1, _cores() // jobs)
+        run_forked([(s, out / "runs" / s.name) for s in todo], jobs, threads, on_start, on_done)
     log(
         f"leaderboard: {len(result['done'])} ran, {len(result['skipped'])} skipped, "
         f"{len(result['failed'])} failed, in {_fmt_duration(clock() - start)}"
@@ -378,11 +686,11 @@ def run_grid(
     return result
 
 
-def _stale_note(spec: RunSpec, run_dir: Path) -> str:
+def _stale_note(spec: RunSpec, run_dir: Path, row: dict[str, Any] | None = None) -> str:
     try:
         old = json.loads((run_dir / "summary.json").read_text()).get("config_hash")
     except (OSError, ValueError):
-        return ""
+        old = (row or {}).get("config_hash")
     if old and old != spec.config_hash:
         return f"; WARNING: it was made with another config ({old} != {spec.config_hash}); delete it to rerun"
     return ""
@@ -469,6 +777,9 @@ def collect_run(run_dir: Path) -> dict[str, Any] | None:
         "config_hash": spec.get("config_hash"),
         "overrides": list(spec.get("overrides") or []),
         "cpu": spec.get("cpu") or cpu_description(),
+        "phase": spec.get("phase") or "final",
+        "lr": spec.get("lr"),
+        "lr_label": spec.get("lr_label"),
     }
     if not summary_path.is_file():
         err = run_dir / ERROR_FILE
@@ -499,6 +810,11 @@ def collect_run(run_dir: Path) -> dict[str, Any] | None:
     curve, telemetry = read_metrics(run_dir / "metrics.jsonl")
     telemetry.update({k: summary[k] for k in TELEMETRY_KEYS if k in summary})
     row["telemetry"] = telemetry
+    if (run_dir / TIMING_FILE).is_file():
+        timing = json.loads((run_dir / TIMING_FILE).read_text())
+        row["eval_s"] = timing.get("eval_s")
+        if "opt/restarts" in telemetry:  # a run without restarts has no restart time, not 0 s
+            row["restart_s"] = timing.get("restart_s")
     row["val_curve"] = curve
     row["train_s"] = summary["tokens"] / summary["tokens_per_s"] if summary.get("tokens_per_s") else None
     cfg_path = run_dir / "config.yaml"
@@ -511,6 +827,8 @@ def collect_run(run_dir: Path) -> dict[str, Any] | None:
         cfg = from_dict(yaml.safe_load(cfg_path.read_text()), str(cfg_path))
         f = cfg.factor
         row["seq_len"] = cfg.data.seq_len
+        row["lr"] = row["lr"] if row["lr"] is not None else cfg.optim.lr
+        row["serial"] = serial_cost(cfg)
         row["factor_rank"] = f.rank if f.kind != "none" else None
         row["optim_rank"] = cfg.optim.rank if _projects(cfg.optim.name) else None
         per_step = summary["tokens"] // max(1, summary["steps"])
@@ -524,6 +842,65 @@ def collect_run(run_dir: Path) -> dict[str, Any] | None:
             tokens_per_step=per_step,
         )
     return row
+
+
+#: Sequential decomposition calls (QR, SVD, eigh, LU) of one basis refresh, by basis kind
+#: (optimizers/projection.py): an exact thin SVD is one; the randomized SVD normalises its sketch
+#: once per power round (q LU, with a QR fallback), then a Householder QR of W, the eigh of a small
+#: Gram and one QR (q + 3; 2 without power rounds); Gaussian and identity bases decompose nothing.
+BASIS_CALLS: dict[str, Callable[[int], int]] = {
+    "svd": lambda q: 1,
+    "randomized_svd": lambda q: q + 3 if q > 0 else 2,
+    "random": lambda q: 0,
+    "identity": lambda q: 0,
+}
+#: A weight refactorization (`optimizers.refactorization.balanced_factors`): two thin QRs and an SVD.
+REFACTORIZE_CALLS = 3
+#: An exact step of a method that steps (B, A) pairs jointly (LORO): two thin QRs of the factors,
+#: then a refactorization of the 2r-wide product.
+EXACT_PAIR_STEP_CALLS = 2 + REFACTORIZE_CALLS
+
+
+def serial_cost(cfg: Any) -> dict[str, Any]:
+    """Sequential decomposition calls per optimizer update, for one weight matrix, amortised over
+    refresh and restart periods: the step's chain of QR / SVD / eigh / LU / Newton-Schulz calls
+    that cannot run in parallel with each other (the seed papers' serial-FLOPs concern).
+
+    From the registry and the config, never a method name: a projecting method's basis refresh
+    (`BASIS_CALLS` of its basis, every ``update_proj_gap`` updates), a matrix rule's Newton-Schulz
+    iterations (its group option ``ns_steps``: Muon 5, SWAN 10), restarts that refactorize a
+    refactorizable factorization (`REFACTORIZE_CALLS` every ``restarts.every``) and a pair-stepping
+    method's exact steps (`EXACT_PAIR_STEP_CALLS` every restart period).
+
+    Returns:
+        ``{"per_update": float, "detail": str}``; per_update 0.0 and detail "" for a method with none.
+    """
+    import optimizers
+    from effpretrain.models import factor_spec
+
+    spec = optimizers.method_spec(cfg.optim.name)
+    o, every = cfg.optim, cfg.restarts.every
+    parts: list[tuple[float, str]] = []
+    if spec.projects:
+        defaults = getattr(spec.cls, "PROJECTION_DEFAULTS", {})
+        basis = o.basis if o.basis != "default" else defaults.get("basis", "svd")
+        q = int(o.extra.get("power_iters", defaults.get("power_iters", 1)))
+        calls = BASIS_CALLS.get(basis, lambda q: 1)(q)
+        if calls:
+            parts.append((calls / o.update_proj_gap, f"{calls} per refresh / {o.update_proj_gap}"))
+    ns = o.extra.get("ns_steps", getattr(spec.cls, "MATRIX_DEFAULTS", {}).get("ns_steps"))
+    if spec.matrix_params is not None and ns:
+        parts.append((float(ns), f"{ns} Newton-Schulz"))
+    if (
+        every > 0
+        and cfg.restarts.refactorize
+        and cfg.factor.kind != "none"
+        and factor_spec(cfg.factor.kind).refactorizable
+    ):
+        parts.append((REFACTORIZE_CALLS / every, f"{REFACTORIZE_CALLS} per restart / {every}"))
+    if spec.steps_factor_pairs and spec.restart_period_arg and every > 0:
+        parts.append((EXACT_PAIR_STEP_CALLS / every, f"{EXACT_PAIR_STEP_CALLS} per exact step / {every}"))
+    return {"per_update": float(sum(p for p, _ in parts)), "detail": " + ".join(d for _, d in parts)}
 
 
 def _projects(name: str) -> bool:
@@ -543,6 +920,32 @@ def collect(out: Path, names: Iterable[str] | None = None) -> list[dict[str, Any
     dirs = [runs / n for n in names] if names is not None else sorted(p for p in runs.glob("*") if p.is_dir())
     rows = [r for r in (collect_run(d) for d in dirs if d.is_dir()) if r is not None]
     return sorted(rows, key=lambda r: r["run"])
+
+
+def gather_rows(
+    out: Path, names: Iterable[str], previous: Iterable[dict[str, Any]] = ()
+) -> list[dict[str, Any]]:
+    """The results rows of the runs `names` plus every other row of `previous` (an earlier
+    results.jsonl: nothing recorded is dropped), sorted by run name.
+
+    A run's folder gives its row when it holds a finished run (or when `previous` has no ok row
+    of it); otherwise the previous row stands: with the run folders deleted, the committed rows
+    are the results.
+    """
+    rows = {r["run"]: r for r in previous}
+    for name in names:
+        _merge_run(rows, out / "runs" / name)
+    return [rows[k] for k in sorted(rows)]
+
+
+def _merge_run(rows: dict[str, dict[str, Any]], run_dir: Path) -> None:
+    """`gather_rows`'s rule for one run folder: its row replaces the recorded one unless only the
+    recorded one is a finished run."""
+    row = collect_run(run_dir) if run_dir.is_dir() else None
+    if row is not None and (
+        row.get("status") == "ok" or (rows.get(run_dir.name) or {}).get("status") != "ok"
+    ):
+        rows[run_dir.name] = row
 
 
 def write_jsonl(rows: Iterable[dict[str, Any]], path: Path) -> None:
@@ -597,9 +1000,23 @@ def _mean(xs: Iterable[float | None]) -> float | None:
     return statistics.fmean(vals) if vals else None
 
 
+def _finite_ppl(r: dict[str, Any]) -> bool:
+    v = r.get("final_val_ppl")
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def _is_ok(r: dict[str, Any]) -> bool:
+    """A finished run with a finite final perplexity (a diverged run is listed with the failures)."""
+    return r.get("status") == "ok" and _finite_ppl(r)
+
+
+def _phase(r: dict[str, Any]) -> str:
+    return r.get("phase") or "final"
+
+
 @dataclass
 class _Group:
-    """The rows of one (model, method) over seeds, reduced to what the table shows."""
+    """The final runs of one (model, method) over seeds, reduced to what the table shows."""
 
     model: str
     method: str
@@ -617,12 +1034,29 @@ class _Group:
         vals = [r["final_val_ppl"] for r in self.rows]
         return statistics.stdev(vals) if len(vals) > 1 else None
 
+    @property
+    def spread(self) -> float:
+        """The seed spread used by `compare`: the sample standard deviation, 0 for one seed."""
+        return self.ppl_std or 0.0
+
+    def ppl_text(self) -> str:
+        sd = f" ± {self.ppl_std:.2f}" if self.ppl_std is not None else ""
+        return f"{self.ppl:.2f}{sd} (n={len(self.rows)})"
+
+    @property
+    def low_memory(self) -> bool:
+        """Low-rank or projected: a factorized model, or an optimizer that projects (optim_rank)."""
+        return any(
+            r.get("factor") not in (None, "none") or r.get("optim_rank") is not None for r in self.rows
+        )
+
 
 def _groups(rows: Sequence[dict[str, Any]]) -> dict[str, list[_Group]]:
-    """ok rows grouped by model, then by method; models ordered by size, methods by perplexity."""
+    """Final, finished runs grouped by model, then by method; models ordered by size, methods by
+    perplexity."""
     by: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
-        if r.get("status") == "ok":
+        if _is_ok(r) and _phase(r) == "final":
             by.setdefault((r["model"], r["method"]), []).append(r)
     models: dict[str, list[_Group]] = {}
     for (model, method), rs in sorted(by.items()):
@@ -634,15 +1068,296 @@ def _groups(rows: Sequence[dict[str, Any]]) -> dict[str, list[_Group]]:
     }
 
 
+# ----------------------------------------------------------------------------------------------
+# Learning-rate sweep: the choice is a pure function of the sweep rows
+
+
+@dataclass(frozen=True)
+class LrChoice:
+    """The sweep of one (model, method): every lr tried with its perplexity (None: the run failed or
+    diverged; several seeds are averaged), and the chosen lr (None when no run finished)."""
+
+    model: str
+    method: str
+    trials: tuple[tuple[float, float | None], ...]  # (lr, mean final val ppl), by lr
+    lr: float | None
+    ppl: float | None
+
+    @property
+    def edge(self) -> str | None:
+        """ "lowest" / "highest" when the chosen lr is at that end of the grid (widen it), else None."""
+        lrs = [lr for lr, _ in self.trials]
+        if self.lr is None:
+            return None
+        return "lowest" if self.lr == min(lrs) else "highest" if self.lr == max(lrs) else None
+
+
+def select_lrs(rows: Iterable[dict[str, Any]]) -> dict[tuple[str, str], LrChoice]:
+    """The best learning rate per (model, method) from its sweep rows (``phase: "sweep"``): the
+    lowest mean final validation perplexity over the lr's finished runs, ties to the smaller lr."""
+    by: dict[tuple[str, str], dict[float, list[float]]] = {}
+    for r in rows:
+        if _phase(r) != "sweep" or r.get("lr") is None:
+            continue
+        trials = by.setdefault((r["model"], r["method"]), {})
+        trials.setdefault(float(r["lr"]), [])
+        if _is_ok(r):
+            trials[float(r["lr"])].append(float(r["final_val_ppl"]))
+    out = {}
+    for key, trials in sorted(by.items()):
+        pairs = tuple((lr, statistics.fmean(v) if v else None) for lr, v in sorted(trials.items()))
+        done = [(ppl, lr) for lr, ppl in pairs if ppl is not None]
+        best = min(done) if done else (None, None)
+        out[key] = LrChoice(key[0], key[1], pairs, best[1], best[0])
+    return out
+
+
+def fmt_lr(lr: float | None) -> str:
+    return "-" if lr is None else f"{lr:.3g}"
+
+
+def _sweep_section(rows: Sequence[dict[str, Any]], model: str) -> list[str]:
+    choices = [c for c in select_lrs(rows).values() if c.model == model]
+    if not choices:
+        return []
+    out = [
+        f"### {model}: learning-rate sweep",
+        "",
+        "Final validation perplexity of each lr on the sweep budget; the chosen lr (**bold**, the lowest"
+        " perplexity, ties to the smaller lr) is the one the final runs train with.",
+        "",
+        "| method | lr: val ppl | chosen lr | note |",
+        "|---|---|---|---|",
+    ]
+    for c in sorted(choices, key=lambda c: c.method):
+        cells = []
+        for lr, ppl in c.trials:
+            text = f"{fmt_lr(lr)}: {'failed' if ppl is None else f'{ppl:.2f}'}"
+            cells.append(f"**{text}**" if lr == c.lr else text)
+        notes = []
+        if c.edge:
+            notes.append(f"edge of grid ({c.edge} lr): widen it")
+        failed = sum(ppl is None for _, ppl in c.trials)
+        if failed:
+            notes.append(f"{failed} failed or diverged")
+        if c.lr is None:
+            notes.append("no finished run: no final runs")
+        out.append(f"| {c.method} | {'; '.join(cells)} | {fmt_lr(c.lr)} | {', '.join(notes) or '-'} |")
+    return out + [""]
+
+
+# ----------------------------------------------------------------------------------------------
+# Seeds and claims: comparisons with the seed spread, verdicts from the rows alone
+
+#: The "within noise" rule of every comparison (stated in LEADERBOARD.md).
+NOISE_RULE = (
+    "two methods differ within noise when |mean_a - mean_b| <= max(sd_a, sd_b), sd the sample standard"
+    " deviation of a method's final perplexity over its seeds (0 for a single seed, whose spread is unknown)"
+)
+VERDICTS = ("reproduced", "not reproduced", "within noise", "not measured")
+
+
+def compare(a: _Group, b: _Group) -> tuple[float, float, bool]:
+    """(mean_a - mean_b, noise = max(sd_a, sd_b), within noise) for the final perplexities."""
+    diff, noise = a.ppl - b.ppl, max(a.spread, b.spread)
+    return diff, noise, abs(diff) <= noise
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One of the benchmark's claims, as data: the renderer and the tests read `CLAIMS`.
+
+    Attributes:
+        key: short name.
+        statement: the claim in words.
+        kind: "best" (the best of `methods` has a lower mean perplexity than every other method),
+            "below" (in every pair (a, b) of `pairs`, a's mean perplexity is below b's) or "pareto"
+            (every one of `methods` and at least one low-rank/projected method lie on the
+            (measured peak memory, perplexity) Pareto front).
+        methods: see `kind`; for "best" the first one must have been run.
+        pairs: see `kind`.
+    """
+
+    key: str
+    statement: str
+    kind: str
+    methods: tuple[str, ...] = ()
+    pairs: tuple[tuple[str, str], ...] = ()
+
+
+CLAIMS: tuple[Claim, ...] = (
+    Claim(
+        "full_rank_best",
+        "Tuned full-rank training is the best: full-rank AdamW (or Stable-SPAM) has the lowest perplexity",
+        "best",
+        methods=("adamw", "stable_spam"),
+    ),
+    Claim(
+        "fira_apollo_over_galore",
+        "Fira and APOLLO reach a lower perplexity than GaLore at equal memory",
+        "below",
+        pairs=(("fira", "galore"), ("apollo", "galore")),
+    ),
+    Claim(
+        "lowrank_restarts",
+        "Low-Rank + weight refactorization + momentum reset beats Low-Rank",
+        "below",
+        pairs=(("lowrank_restarts", "lowrank"),),
+    ),
+    Claim(
+        "sltrain_restarts",
+        "SLTrain + restarts beats SLTrain",
+        "below",
+        pairs=(("sltrain_restarts", "sltrain"),),
+    ),
+    Claim(
+        "pareto",
+        "The memory Pareto front holds low-rank/projected methods and full-rank AdamW",
+        "pareto",
+        methods=("adamw",),
+    ),
+)
+
+
+def _verdict(diff: float, within: bool) -> str:
+    """For "a below b" with diff = mean_a - mean_b."""
+    return "within noise" if within else "reproduced" if diff < 0 else "not reproduced"
+
+
+def _combine(verdicts: Sequence[str]) -> str:
+    if "not reproduced" in verdicts:
+        return "not reproduced"
+    return "reproduced" if all(v == "reproduced" for v in verdicts) else "within noise"
+
+
+def _claim_best(claim: Claim, by: dict[str, _Group]) -> tuple[str, str]:
+    ours = [by[m] for m in claim.methods if m in by]
+    others = [g for m, g in by.items() if m not in claim.methods]
+    if claim.methods[0] not in by or not others:
+        return "not measured", f"needs {claim.methods[0]} and another method"
+    a, b = min(ours, key=lambda g: (g.ppl, g.method)), min(others, key=lambda g: (g.ppl, g.method))
+    diff, noise, within = compare(a, b)
+    return _verdict(diff, within), (
+        f"best of {'/'.join(claim.methods)}: {a.method} {a.ppl_text()}; best other: {b.method} {b.ppl_text()};"
+        f" difference {diff:+.2f}, noise {noise:.2f}"
+    )
+
+
+def _claim_below(claim: Claim, by: dict[str, _Group]) -> tuple[str, str]:
+    missing = sorted({m for pair in claim.pairs for m in pair} - set(by))
+    if missing:
+        return "not measured", f"no finished runs of {', '.join(missing)}"
+    verdicts, evidence = [], []
+    for a, b in claim.pairs:
+        diff, noise, within = compare(by[a], by[b])
+        verdicts.append(_verdict(diff, within))
+        evidence.append(
+            f"{a} {by[a].ppl_text()} vs {b} {by[b].ppl_text()}: difference {diff:+.2f}, noise {noise:.2f}"
+            f" ({verdicts[-1]})"
+        )
+    return _combine(verdicts), "; ".join(evidence)
+
+
+def _claim_pareto(claim: Claim, groups: Sequence[_Group]) -> tuple[str, str]:
+    gs = [g for g in groups if g.mean("measured", "peak") is not None]
+    names = {g.method for g in gs}
+    low = [g for g in gs if g.low_memory]
+    if not set(claim.methods) <= names or not low:
+        return (
+            "not measured",
+            f"needs measured memory of {', '.join(claim.methods)} and a low-rank/projected method",
+        )
+    pts = [(g.mean("measured", "peak") or 0.0, g.ppl) for g in gs]
+    front = {gs[i].method for i in pareto_front(pts)}
+
+    def status(g: _Group) -> str:
+        if g.method in front:
+            return "reproduced"
+        mem = g.mean("measured", "peak") or 0.0
+        beaten = [
+            h
+            for h in gs
+            if (h.mean("measured", "peak") or 0.0) <= mem and h.ppl < g.ppl - max(g.spread, h.spread)
+        ]
+        return "not reproduced" if beaten else "within noise"
+
+    need = [status(next(g for g in gs if g.method == m)) for m in claim.methods]
+    low_status = sorted((status(g) for g in low), key=VERDICTS.index)[0]
+    shown = sorted((g for g in gs if g.method in front), key=lambda g: g.mean("measured", "peak") or 0.0)
+    evidence = "front (measured peak memory, ppl): " + ", ".join(
+        f"{g.method} ({fmt_bytes(g.mean('measured', 'peak'))}, {g.ppl:.2f})" for g in shown
+    )
+    where = {
+        "reproduced": "on the front",
+        "within noise": "off it within noise",
+        "not reproduced": "dominated",
+    }
+    evidence += "; " + ", ".join(f"{m}: {where[v]}" for m, v in zip(claim.methods, need))
+    evidence += f"; low-rank/projected on the front: {', '.join(sorted(g.method for g in low if g.method in front)) or 'none'}"
+    return _combine([*need, low_status]), evidence
+
+
+def evaluate_claims(rows: Sequence[dict[str, Any]], claims: Sequence[Claim] = CLAIMS) -> list[dict[str, str]]:
+    """Every claim's verdict (`VERDICTS`) and evidence per model, from the final runs alone.
+
+    Returns:
+        ``{"model", "claim", "statement", "verdict", "evidence"}`` per model and claim, in
+        `claims` order within each model.
+    """
+    out = []
+    for model, groups in _groups(rows).items():
+        by = {g.method: g for g in groups}
+        for c in claims:
+            if c.kind == "best":
+                verdict, evidence = _claim_best(c, by)
+            elif c.kind == "below":
+                verdict, evidence = _claim_below(c, by)
+            elif c.kind == "pareto":
+                verdict, evidence = _claim_pareto(c, groups)
+            else:
+                raise ValueError(f"claim {c.key}: unknown kind {c.kind!r}")
+            out.append(
+                {
+                    "model": model,
+                    "claim": c.key,
+                    "statement": c.statement,
+                    "verdict": verdict,
+                    "evidence": evidence,
+                }
+            )
+    return out
+
+
+def _claims_section(rows: Sequence[dict[str, Any]]) -> list[str]:
+    results = evaluate_claims(rows)
+    if not results:
+        return []
+    out = [
+        "## Claims",
+        "",
+        "The benchmark's claims checked against the final runs above, generated from the rows (`CLAIMS` in"
+        f" benchmarks/leaderboard.py): lower perplexity is better; {NOISE_RULE}.",
+        "",
+        "| model | claim | verdict | numbers |",
+        "|---|---|---|---|",
+    ]
+    out += [f"| {c['model']} | {c['statement']} | **{c['verdict']}** | {c['evidence']} |" for c in results]
+    return out + [""]
+
+
+# ----------------------------------------------------------------------------------------------
+# The markdown
+
+
 def _refresh_cell(g: _Group) -> str:
-    """Refresh/refactorization count and time, as a share of optimizer time when the telemetry has
-    it (opt/step_s), else of training time (tokens / tokens_per_s)."""
+    """Refresh/restart counts, and the time they took as a share of optimizer time when the
+    telemetry has it (opt/step_s), else of training time (tokens / tokens_per_s)."""
     tel = [r.get("telemetry") or {} for r in g.rows]
     parts = []
     refreshes = _mean(t.get("opt/refreshes") for t in tel)
     restarts = _mean(t.get("opt/restarts") for t in tel)
-    spent = [(t.get("opt/refresh_s") or 0.0) + (t.get("opt/restart_s") or 0.0) for t in tel]
-    timed = any("opt/refresh_s" in t or "opt/restart_s" in t for t in tel)
+    spent = [(t.get("opt/refresh_s") or 0.0) + (r.get("restart_s") or 0.0) for t, r in zip(tel, g.rows)]
+    timed = any("opt/refresh_s" in t for t in tel) or any(r.get("restart_s") is not None for r in g.rows)
     if refreshes is not None:
         parts.append(f"{refreshes:.0f} refreshes")
     if restarts is not None:
@@ -659,8 +1374,34 @@ def _refresh_cell(g: _Group) -> str:
     return ", ".join(parts)
 
 
-# Set per run by the grid itself (budget, eval points, seed): not worth repeating in the header.
-_GRID_KEYS = ("train.max_steps", "train.eval_every", "train.save_every", "train.seed")
+def _time_cell(g: _Group) -> str:
+    """Mean seconds in training steps / evaluation / basis refreshes / restarts ("-": not recorded)."""
+    vals = [
+        g.mean("train_s"),
+        g.mean("eval_s"),
+        _mean((r.get("telemetry") or {}).get("opt/refresh_s") for r in g.rows),
+        g.mean("restart_s"),
+    ]
+    return " / ".join("-" if v is None else _sig3(v) for v in vals)
+
+
+def _serial_cell(g: _Group) -> str:
+    serial = [r.get("serial") for r in g.rows if r.get("serial") is not None]
+    if not serial:
+        return "-"
+    s = serial[0]
+    return f"{s['per_update']:.3g}" + (f" ({s['detail']})" if s.get("detail") else "")
+
+
+def _versus_cell(g: _Group, base: _Group | None) -> str:
+    if base is None or g is base:
+        return "-"
+    diff, _, within = compare(g, base)
+    return f"{diff:+.2f}" + (" (within noise)" if within else "")
+
+
+# Set per run by the grid itself (budget, eval points, seed, lr): not worth repeating in the header.
+_GRID_KEYS = ("train.max_steps", "train.eval_every", "train.save_every", "train.seed", "optim.lr")
 
 
 def _common_overrides(rows: Sequence[dict[str, Any]]) -> list[str]:
@@ -669,101 +1410,167 @@ def _common_overrides(rows: Sequence[dict[str, Any]]) -> list[str]:
     return [o for o in lists[0] if all(o in other for other in lists[1:])] if lists else []
 
 
-def render_markdown(
-    rows: Sequence[dict[str, Any]], baseline: str = BASELINE, plots: Iterable[str] = ()
-) -> str:
-    """LEADERBOARD.md from results rows: deterministic for the same rows (sorted, fixed formats).
+def _budget_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Per phase: tokens per step, steps and tokens per run, seeds; and the floors they miss."""
+    out, warn = [], []
+    for phase in ("sweep", "final"):
+        rs = [r for r in rows if _is_ok(r) and _phase(r) == phase and r.get("steps")]
+        if not rs:
+            continue
+        per_step = sorted({int(r["tokens"]) // int(r["steps"]) for r in rs})
+        steps = sorted({int(r["steps"]) for r in rs})
+        tokens = sorted({int(r["tokens"]) for r in rs})
+        budgets = sorted({int(r["token_budget"]) for r in rs if r.get("token_budget")})
+        seeds = sorted({r["seed"] for r in rs if r.get("seed") is not None})
+        out.append(
+            f"- {phase.capitalize()} runs: {', '.join(f'{t:,}' for t in per_step)} tokens per step x"
+            f" {', '.join(map(str, steps))} steps = {', '.join(f'{t:,}' for t in tokens)} tokens per run"
+            f" (budget {', '.join(f'{b:,}' for b in budgets) or '-'}, equal for every method);"
+            f" seeds {', '.join(map(str, seeds)) or '-'}"
+        )
+        low = [t for t in per_step if t < MIN_TOKENS_PER_STEP]
+        if low:
+            warn.append(
+                f"{phase} runs train {', '.join(f'{t:,}' for t in low)} tokens per step (floor {MIN_TOKENS_PER_STEP:,})"
+            )
+        short = [s for s in steps if s < MIN_STEPS]
+        if short and phase == "final":
+            warn.append(f"final runs take {', '.join(map(str, short))} steps (floor {MIN_STEPS})")
+    out += [
+        f"- **Warning: below the budget floor**: {w}; rankings this short reflect warm-up and noise"
+        for w in warn
+    ]
+    return out
 
-    Args:
-        rows: results.jsonl rows (`collect_run`'s format).
-        baseline: the method every ratio is relative to, per model.
-        plots: image file names (relative to the markdown) to embed at the end.
-    """
-    ok = [r for r in rows if r.get("status") == "ok"]
-    bad = sorted((r for r in rows if r.get("status") != "ok"), key=lambda r: r["run"])
+
+def _header(
+    rows: Sequence[dict[str, Any]], ok: Sequence[dict[str, Any]], bad: Sequence[dict[str, Any]]
+) -> list[str]:
     hardware = sorted({r.get("hardware") or "unknown" for r in rows})
-    budgets = sorted({int(r["token_budget"]) for r in rows if r.get("token_budget")})
     commits = sorted({r.get("git_commit") or "unknown" for r in ok})
     dates = sorted(r["date"] for r in rows if r.get("date"))
-    seeds = sorted({r["seed"] for r in ok if r.get("seed") is not None})
+    final = [r for r in ok if _phase(r) == "final"]
     out = ["# effpretrain leaderboard", ""]
     out.append(f"- Hardware: {'; '.join(hardware) or 'unknown'}")
-    budget = ", ".join(f"{b:,}" for b in budgets) or "unknown"
-    out.append(f"- Token budget: {budget} tokens per run (equal for every method)")
-    out.append(f"- Runs: {len(ok)} finished, {len(bad)} failed; seeds {', '.join(map(str, seeds)) or '-'}")
+    out += _budget_lines(rows)
+    out.append(
+        f"- Runs: {len(final)} final and {len(ok) - len(final)} sweep runs finished, {len(bad)} failed"
+    )
     common = _common_overrides(ok)
     if common:
         out.append(f"- Overrides on every run: {' '.join(f'`{o}`' for o in common)}")
     out.append(
         f"- Commit: {', '.join(commits) or '-'}; dates: {dates[0] + ' .. ' + dates[-1] if dates else '-'}"
     )
-    out.append("")
-    header = (
-        "| # | method | model | val ppl | est. memory | peak tensor memory | optimizer state "
-        "| weights / grads / activations / temporaries | tokens/s | FLOPs/token | refresh / refactorization |"
+    return out + [""]
+
+
+def _model_table(model: str, groups: Sequence[_Group], baseline: str) -> list[str]:
+    base = next((g for g in groups if g.method == baseline), None)
+
+    def rel(g: _Group, key: str, sub: str | None = None) -> str:
+        v = g.mean(key, sub)
+        text = fmt_bytes(v) if key != "tokens_per_s" else ("-" if v is None else f"{v:,.0f}")
+        return text + _ratio(v, base.mean(key, sub) if base else None)
+
+    versus = f"{baseline} on {model}" if base else f"nothing (no {baseline} run)"
+    out = [
+        f"## {model}",
+        "",
+        f"Final runs, ranked by mean validation perplexity. Ratios are relative to {versus}.",
+        "",
+    ]
+    out.append(
+        f"| # | method | lr | val ppl | vs {baseline} | peak tensor memory | optimizer state "
+        "| weights / grads / activations / temporaries | est. memory | tokens/s "
+        "| time (s): train / eval / refresh / restart | FLOPs/token | serial calls/update | refreshes / restarts |"
     )
-    for model, groups in _groups(ok).items():
-        base = next((g for g in groups if g.method == baseline), None)
+    out.append("|" + "---|" * 14)
+    for rank, g in enumerate(groups, 1):
+        lrs = sorted({r["lr"] for r in g.rows if r.get("lr") is not None})
+        cells = [
+            str(rank),
+            g.method,
+            ", ".join(fmt_lr(lr) for lr in lrs) or "-",
+            g.ppl_text(),
+            _versus_cell(g, base),
+            rel(g, "measured", "peak"),
+            rel(g, "measured", "optimizer_state"),
+            " / ".join(fmt_bytes(g.mean("measured", k)) for k in MEASURED_KEYS[:2] + MEASURED_KEYS[3:5]),
+            rel(g, "estimated", "total"),
+            rel(g, "tokens_per_s"),
+            _time_cell(g),
+            fmt_count(g.mean("flops_per_token")),
+            _serial_cell(g),
+            _refresh_cell(g),
+        ]
+        out.append("| " + " | ".join(cells) + " |")
+    return out + [""]
 
-        def rel(g: _Group, key: str, sub: str | None = None, _base: _Group | None = base) -> str:
-            v = g.mean(key, sub)
-            text = fmt_bytes(v) if key != "tokens_per_s" else ("-" if v is None else f"{v:,.0f}")
-            return text + _ratio(v, _base.mean(key, sub) if _base else None)
 
-        tokens = sorted({int(r["tokens"]) for g in groups for r in g.rows if r.get("tokens")})
-        steps = sorted({int(r["steps"]) for g in groups for r in g.rows if r.get("steps")})
-        out += [f"## {model}", ""]
-        versus = f"{baseline} on {model}" if base else f"nothing (no {baseline} run)"
-        out.append(
-            f"Steps per run: {', '.join(map(str, steps))}; tokens trained per run: "
-            f"{', '.join(f'{t:,}' for t in tokens)}. Ratios are relative to {versus}."
-        )
-        out += ["", header, "|" + "---|" * 11]
-        for rank, g in enumerate(groups, 1):
-            ppl = f"{g.ppl:.2f}" + (f" ± {g.ppl_std:.2f}" if g.ppl_std is not None else "")
-            cells = [
-                str(rank),
-                g.method,
-                model,
-                ppl + f" (n={len(g.rows)})",
-                rel(g, "estimated", "total"),
-                rel(g, "measured", "peak"),
-                rel(g, "measured", "optimizer_state"),
-                " / ".join(fmt_bytes(g.mean("measured", k)) for k in MEASURED_KEYS[:2] + MEASURED_KEYS[3:5]),
-                rel(g, "tokens_per_s"),
-                fmt_count(g.mean("flops_per_token")),
-                _refresh_cell(g),
-            ]
-            out.append("| " + " | ".join(cells) + " |")
-        out.append("")
+COLUMN_NOTES = [
+    "- **lr**: the peak learning rate of the final runs (the sweep's choice when there was a sweep).",
+    "- **val ppl**: final validation perplexity, mean ± sample standard deviation over seeds (n runs).",
+    "- **vs adamw**: the mean perplexity minus the baseline's; `(within noise)` by the rule of the claims"
+    " section.",
+    "- **peak tensor memory**, **optimizer state** and **weights / grads / activations / temporaries**:"
+    " measured on the run's measured steps (`train.memory_steps`, `effpretrain.memory_measure`), the"
+    " largest over them: live tensor bytes at the step's peak (CUDA's allocator on GPU, tensor"
+    " accounting on CPU: the Python/torch runtime is not counted), the optimizer's state tensors, the"
+    " weights and gradients, what autograd saves for backward, and the rest of the peak; `-` for runs"
+    " recorded before these were measured.",
+    "- **est. memory**: the analytic estimate (`effpretrain.memory.estimate`) of weights + gradients +"
+    " optimizer state + activations at the run's batch, sequence length and precision.",
+    "- **tokens/s**: training throughput (tokens / time in training steps, evaluation excluded); runs"
+    " that ran side by side (`--jobs`) shared the cores, so ratios mean most on an otherwise idle machine.",
+    "- **time**: mean seconds in training steps, in evaluation, in basis refreshes (part of the"
+    " training steps) and in restarts (refactorization + momentum reset, also part of them); `-`: not"
+    " recorded.",
+    "- **FLOPs/token**: analytic training FLOPs of the matrix multiplies (6 per weight for dense"
+    " layers, the factorized layers' own cost, 12 L h T for attention; see `flops_per_token`).",
+    "- **serial calls/update**: sequential decompositions (QR, SVD, eigh, LU, Newton-Schulz iterations)"
+    " one weight matrix's update waits on, amortised over refresh and restart periods (`serial_cost`).",
+    "- **refreshes / restarts**: basis refreshes (GaLore-family) and restarts (refactorization + momentum"
+    " reset) from the runs' telemetry, and the time they took as a share of optimizer time (`opt`) when"
+    " recorded, else of training time (`train`); `-` where the method has none.",
+    "- `(0.52x)`: the value divided by the same model's baseline value.",
+    "",
+]
+
+
+def render_markdown(
+    rows: Sequence[dict[str, Any]], baseline: str = BASELINE, plots: Iterable[str] = ()
+) -> str:
+    """LEADERBOARD.md from results rows: deterministic for the same rows (sorted, fixed formats).
+
+    Sections: the header (hardware, budgets per phase and the floors they miss, commits), per
+    model the ranked table of final runs and its learning-rate sweep, the claims (`CLAIMS`,
+    `evaluate_claims`), the failed runs, column notes and the plots.
+
+    Args:
+        rows: results.jsonl rows (`collect_run`'s format).
+        baseline: the method every ratio and difference is relative to, per model.
+        plots: image file names (relative to the markdown) to embed at the end.
+    """
+    ok = [r for r in rows if _is_ok(r)]
+    bad = sorted((r for r in rows if not _is_ok(r)), key=lambda r: r["run"])
+    out = _header(rows, ok, bad)
+    groups = _groups(ok)
+    for model in list(groups) + sorted({r["model"] for r in ok if r.get("model") not in groups}):
+        if model in groups:
+            out += _model_table(model, groups[model], baseline)
+        out += _sweep_section(rows, model)
+    out += _claims_section(ok)
     if bad:
         out += ["## Failed runs", "", "| run | status | error |", "|---|---|---|"]
         for r in bad:
+            status = r.get("status") if r.get("status") != "ok" else "diverged"
             err = (r.get("error") or "").splitlines()[0] if r.get("error") else ""
-            out.append(f"| {r['run']} | {r.get('status')} | {err.replace('|', '/')} |")
+            if status == "diverged":
+                err = f"final val ppl {r.get('final_val_ppl')}"
+            out.append(f"| {r['run']} | {status} | {err.replace('|', '/')} |")
         out.append("")
-    out += [
-        "Columns:",
-        "",
-        "- **val ppl**: final validation perplexity, mean ± sample standard deviation over seeds (n runs).",
-        "- **est. memory**: the analytic estimate (`effpretrain.memory.estimate`) of weights + gradients +"
-        " optimizer state + activations at the run's batch, sequence length and precision.",
-        "- **peak tensor memory**, **optimizer state** and **weights / grads / activations / temporaries**:"
-        " measured on the run's measured steps (`train.memory_steps`, `effpretrain.memory_measure`), the"
-        " largest over them: live tensor bytes at the step's peak (CUDA's allocator on GPU, tensor"
-        " accounting on CPU: the Python/torch runtime is not counted), the optimizer's state tensors, the"
-        " weights and gradients, what autograd saves for backward, and the rest of the peak; `-` for runs"
-        " recorded before these were measured.",
-        "- **tokens/s**: training throughput (tokens / time in training steps, evaluation excluded); runs"
-        " are timed one after another, so ratios mean something only on an otherwise idle machine.",
-        "- **FLOPs/token**: analytic training FLOPs of the matrix multiplies (6 per weight for dense"
-        " layers, the factorized layers' own cost, 12 L h T for attention; see `flops_per_token`).",
-        "- **refresh / refactorization**: basis refreshes (GaLore-family) and restarts (refactorization +"
-        " momentum reset) from the runs' telemetry, and the time they took as a share of optimizer time"
-        " (`opt`) when recorded, else of training time (`train`); `-` where the method has none.",
-        "- `(0.52x)`: the value divided by the same model's baseline value.",
-        "",
-    ]
+    out += ["Columns:", "", *COLUMN_NOTES]
     for name in plots:
         out += [f"![{PLOTS.get(name, name)}]({name})", ""]
     return "\n".join(out)
@@ -896,12 +1703,18 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         epilog="With only --out: re-collect DIR/runs (or read DIR/results.jsonl) and re-render.",
     )
     ap.add_argument(
-        "--grid", choices=sorted(GRIDS), help="tiny: recipes/tiny/*.yaml; paper: recipes/llama_*/"
+        "--grid",
+        choices=sorted(GRIDS),
+        help="tiny: recipes/tiny/*.yaml; llama_60m: recipes/llama_60m/*.yaml; paper: recipes/llama_*/",
     )
     ap.add_argument(
         "--recipes", nargs="+", type=Path, default=[], help="recipe files (instead of / beside --grid)"
     )
-    ap.add_argument("--tokens", type=int, help="token budget per run (required to run a grid)")
+    ap.add_argument(
+        "--tokens",
+        type=int,
+        help="token budget per final run (default for --grid tiny: 1,048,576 = 512 steps of 2,048 tokens)",
+    )
     ap.add_argument("--out", type=Path, help="output folder (runs/, results.jsonl, LEADERBOARD.md, plots)")
     ap.add_argument("--seeds", default="0", help="comma-separated train.seed values (default 0)")
     ap.add_argument("--methods", help="comma-separated methods (recipe stems) to keep")
@@ -915,6 +1728,22 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--eval-points", type=int, default=4, help="about how many evaluations per run (default 4)"
+    )
+    ap.add_argument(
+        "--sweep",
+        metavar="lr=POINTS",
+        help="learning-rate sweep before the final runs: lr=x0.5,x1,x2 (multiples of each recipe's lr)"
+        " or lr=1e-3,3e-3; the best lr per method (lowest val ppl, ties to the smaller) is carried over",
+    )
+    ap.add_argument("--sweep-tokens", type=int, help="token budget per sweep run (default: --tokens / 4)")
+    ap.add_argument(
+        "--sweep-seed", type=int, help="train.seed of the sweep runs (default: the first of --seeds)"
+    )
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="forked runs at once, each on cores / jobs torch threads (default 1)",
     )
     ap.add_argument(
         "--in-process", action="store_true", help="train in this process instead of a fork per run"
@@ -935,7 +1764,30 @@ def _int_list(text: str, flag: str) -> list[int]:
         raise BadInput(f"{flag}: expected comma-separated integers, got {text!r}") from None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _render_only(out: Path, plots: bool) -> int:
+    """Re-collects DIR/runs (beside the rows of DIR/results.jsonl) or reads the results alone."""
+    previous = read_jsonl(out / "results.jsonl") if (out / "results.jsonl").is_file() else []
+    if not (out / "runs").is_dir() and not previous:
+        raise BadInput(f"{out}: no runs/ and no results.jsonl; pass --grid or --recipes to run a grid")
+    names = sorted(p.name for p in (out / "runs").glob("*") if p.is_dir()) if (out / "runs").is_dir() else []
+    rows = gather_rows(out, names, previous)
+    publish(rows, out, plots=plots)
+    print(f"leaderboard: rendered {len(rows)} rows into {out / 'LEADERBOARD.md'}")
+    return 0
+
+
+def _recipes_of(args: argparse.Namespace) -> list[Path]:
+    recipes = grid_recipes(args.grid) if args.grid else []
+    for r in args.recipes:
+        if not r.is_file():
+            raise BadInput(f"recipe not found: {r}")
+        recipes.append(r)
+    return recipes
+
+
+def main(argv: Sequence[str] | None = None, runner: Runner | None = None) -> int:
+    """The command line (see the module docstring); `runner` replaces the training of one run
+    (tests), else runs are forked (or trained here with --in-process)."""
     args = _parse_args(argv)
     if args.paper:
         print(paper_report())
@@ -944,33 +1796,64 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise BadInput("--out DIR is required (or use --paper)")
     out: Path = args.out
     if not args.grid and not args.recipes:
-        # Render only: from the run folders if present, else from an existing results.jsonl.
-        if (out / "runs").is_dir():
-            rows = collect(out)
-        elif (out / "results.jsonl").is_file():
-            rows = read_jsonl(out / "results.jsonl")
-        else:
-            raise BadInput(f"{out}: no runs/ and no results.jsonl; pass --grid or --recipes to run a grid")
-        publish(rows, out, plots=not args.no_plots)
-        print(f"leaderboard: rendered {len(rows)} rows into {out / 'LEADERBOARD.md'}")
-        return 0
-    if args.tokens is None:
+        return _render_only(out, plots=not args.no_plots)
+    tokens = args.tokens if args.tokens is not None else GRID_TOKENS.get(args.grid or "")
+    if tokens is None:
         raise BadInput("--tokens BUDGET is required to run a grid")
-    recipes = grid_recipes(args.grid) if args.grid else []
-    for r in args.recipes:
-        if not r.is_file():
-            raise BadInput(f"recipe not found: {r}")
-        recipes.append(r)
+    if args.jobs < 1:
+        raise BadInput(f"--jobs must be >= 1, got {args.jobs}")
+    recipes = _recipes_of(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
-    specs = plan_runs(
-        recipes, args.tokens, _int_list(args.seeds, "--seeds"), methods, args.overrides, args.eval_points
+    seeds = _int_list(args.seeds, "--seeds")
+    if not seeds:
+        raise BadInput("--seeds: expected at least one seed")
+    overrides = [*GRID_OVERRIDES.get(args.grid or "", ()), *args.overrides]
+    plan = functools.partial(
+        plan_runs, recipes, methods=methods, extra_overrides=overrides, eval_points=args.eval_points
     )
-    result = run_grid(specs, out, runner=train_spec if args.in_process else None)
-    rows = collect(out, [s.name for s in specs])
+    sweep: list[RunSpec] = []
+    if args.sweep:
+        sweep_tokens = args.sweep_tokens if args.sweep_tokens is not None else max(1, tokens // 4)
+        sweep_seed = args.sweep_seed if args.sweep_seed is not None else seeds[0]
+        sweep = plan(sweep_tokens, [sweep_seed], sweep=parse_sweep(args.sweep))
+    final = plan(tokens, seeds)  # at the recipes' lr: the budget is the same at any lr
+    for w in budget_warnings([*sweep, *final]):
+        print(f"warning: {w}", file=sys.stderr)
+    print(
+        f"leaderboard: plan: {len(sweep)} sweep runs ({sum(s.steps * s.tokens_per_step for s in sweep):,} tokens)"
+        f" + {len(final)} final runs ({sum(s.steps * s.tokens_per_step for s in final):,} tokens)"
+    )
+    previous = read_jsonl(out / "results.jsonl") if (out / "results.jsonl").is_file() else []
+    finished = {r["run"]: r for r in previous}
+    runner = runner or (train_spec if args.in_process else None)
+    names = [s.name for s in sweep]
+
+    current = {r["run"]: r for r in previous}
+
+    def save(spec: RunSpec) -> None:
+        # results.jsonl grows run by run: commit it while a long grid goes on.
+        _merge_run(current, out / "runs" / spec.name)
+        write_jsonl([current[k] for k in sorted(current)], out / "results.jsonl")
+
+    failed = run_grid(sweep, out, runner, finished=finished, jobs=args.jobs, after_each=save)["failed"]
+    if sweep:
+        planned = set(names)  # the sweep rows of this grid, not those of an earlier, other sweep
+        choices = select_lrs(r for r in gather_rows(out, names, previous) if r["run"] in planned)
+        for c in choices.values():
+            note = f" (edge of grid: {c.edge} lr; widen it)" if c.edge else ""
+            print(
+                f"leaderboard: {c.method} on {c.model}: lr {fmt_lr(c.lr)}{note}"
+                if c.lr
+                else f"leaderboard: {c.method} on {c.model}: no sweep run finished, no final runs"
+            )
+        final = plan(tokens, seeds, lrs={k: c.lr for k, c in choices.items() if c.lr is not None})
+    names += [s.name for s in final]
+    failed += run_grid(final, out, runner, finished=finished, jobs=args.jobs, after_each=save)["failed"]
+    rows = gather_rows(out, names, previous)
     publish(rows, out, plots=not args.no_plots)
     print(f"leaderboard: wrote {out / 'results.jsonl'} and {out / 'LEADERBOARD.md'}")
     print(render_table_only(rows))
-    return 1 if result["failed"] else 0
+    return 1 if failed else 0
 
 
 def paper_report(recipes_root: Path | None = None) -> str:

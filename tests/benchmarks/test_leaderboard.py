@@ -380,6 +380,6 @@ def test_paper_prints_a_published_method_once_registered_and_notes_the_others(tm
 
 def test_bad_input_is_reported(tmp_path):
     with pytest.raises(lb.BadInput, match="--tokens"):
-        lb.main(["--grid", "tiny", "--out", str(tmp_path)])
+        lb.main(["--recipes", str(ROOT / "recipes" / "tiny" / "adamw.yaml"), "--out", str(tmp_path)])
     with pytest.raises(lb.BadInput, match="no runs/"):
         lb.main(["--out", str(tmp_path / "empty")])
