@@ -57,7 +57,14 @@ from optimizers import projection as proj
 from optimizers._sharded import local, sum_squares_fp64
 from optimizers.momentum_reset import unwrap_optimizer
 
-__all__ = ["InBackward", "clip_coefficient", "step_units"]
+__all__ = [
+    "AllReduceMean",
+    "InBackward",
+    "broadcast_module_",
+    "check_same_order",
+    "clip_coefficient",
+    "step_units",
+]
 
 
 def clip_coefficient(max_norm: float, norm: float | None) -> float:
@@ -97,6 +104,8 @@ class InBackward:
 
     Attributes:
         prev_norm: the previous step's global gradient norm (None before the first step).
+        order: this step's parameters (indices into `params`) in the order their gradients became
+            final (the order of the `reduce` calls; `check_same_order`).
         skipped: parameters not updated in the last step (non-finite gradient).
         step_seconds: wall time spent in the per-unit optimizer steps (cumulative).
     """
@@ -117,6 +126,8 @@ class InBackward:
         self.step_seconds = 0.0
         self._group = {id(p): g for g in self.opt.param_groups for p in g["params"]}
         self._unit = {id(p): unit for unit in step_units(self.opt, self.params) for p in unit}
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self.order: list[int] = []
         self._acc: dict[int, tuple[torch.Tensor, torch.Tensor | None, str]] = {}
         self._final: dict[int, torch.Tensor] = {}
         self._squares: dict[int, torch.Tensor] = {}
@@ -136,13 +147,14 @@ class InBackward:
         """Call before micro-batch `k` (0-based) of `num_micro`'s backward."""
         if k == 0:
             self._squares.clear()
+            self.order = []
             self.skipped = 0
             self._coef = clip_coefficient(self.max_norm, self.prev_norm)
         self._active, self._last = True, k == num_micro - 1
 
     def finish(self) -> float:
-        """Ends the step: the global norm of this step's final gradients (a collective under FSDP2:
-        shards' squares are summed over ranks), remembered for the next step's clipping."""
+        """Ends the step: the global norm of this step's final gradients, remembered for the next
+        step's clipping (no collective: every parameter's squares are already whole, `_hook`)."""
         self._active = False
         if self._acc or self._final:
             raise RuntimeError(
@@ -155,28 +167,12 @@ class InBackward:
         return norm
 
     def _global_norm(self) -> float:
-        from torch.distributed.tensor import DTensor
-
-        sharded = torch.zeros((), dtype=torch.float64)
-        whole = torch.zeros((), dtype=torch.float64)
-        mesh = None
+        total = torch.zeros((), dtype=torch.float64)
         for p in self.params:  # model order, so the fp64 sum is the same in every launch mode
             sq = self._squares.get(id(p))
-            if sq is None:
-                continue
-            if isinstance(p, DTensor):
-                sharded += sq.cpu()
-                mesh = p.device_mesh
-            else:
-                whole += sq.cpu()
-        if mesh is not None:
-            import torch.distributed as dist
-
-            dev = local(self.params[0]).device
-            total = sharded.to(dev)
-            dist.all_reduce(total, group=mesh.get_group())
-            sharded = total.cpu()
-        return float((sharded + whole).sqrt().float())
+            if sq is not None:
+                total += sq.cpu()
+        return float(total.sqrt().float())
 
     # -- the hook ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -189,7 +185,8 @@ class InBackward:
         grad = self._final_grad(p)
         if self.reduce is not None:
             self.reduce(grad)
-        self._squares[id(p)] = sum_squares_fp64(local(grad))
+        self.order.append(self._index[id(p)])
+        self._squares[id(p)] = _whole_squares(grad)
         self._final[id(p)] = grad
         p.grad = None
         unit = self._unit.get(id(p), [p])
@@ -248,3 +245,64 @@ class InBackward:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.prev_norm = sd.get("prev_norm")
+
+
+def _whole_squares(grad: torch.Tensor) -> torch.Tensor:
+    """sum(G^2) in fp64 of a whole gradient: for an FSDP2 shard (DTensor) the ranks' partial sums
+    are added (one all-reduce of a scalar), so that every rank sees the same number and takes
+    the same skip decision (the whole-matrix steps are collectives: a rank that skipped alone
+    would leave the others waiting)."""
+    from torch.distributed.tensor import DTensor
+
+    sq = sum_squares_fp64(local(grad))
+    if isinstance(grad, DTensor):
+        import torch.distributed as dist
+
+        dist.all_reduce(sq, group=grad.device_mesh.get_group())
+    return sq
+
+
+class AllReduceMean:
+    """`InBackward`'s ``reduce`` for data parallelism without a DDP wrapper: G <- sum_r (G_r / N)
+    over the N ranks of `group` (an all-reduce per final gradient, called in the same order on
+    every rank: hooks fire in autograd's order, the same for the same graph; `check_same_order`).
+
+    The gradient is multiplied by 1/N before the sum, as DDP's reducer does on its buckets
+    (``mul_out(bucket, grad, 1 / N)``, then SUM), so each averaged gradient is bitwise DDP's.
+    """
+
+    def __init__(self, world: int, group: Any = None) -> None:
+        self.world, self.group = int(world), group
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        grad.mul_(1.0 / self.world)
+        dist.all_reduce(grad, group=self.group)
+
+
+def check_same_order(order: list[int], device: torch.device, group: Any = None) -> None:
+    """RuntimeError unless every rank reduced its gradients in the same order (one all-reduce of
+    2 len(order) integers: a rank whose order differs would have averaged another parameter's
+    gradient into its own)."""
+    import torch.distributed as dist
+
+    mine = torch.tensor(order, dtype=torch.int64, device=device)
+    both = torch.cat([mine, -mine])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    hi, lo = both[: len(order)], -both[len(order) :]
+    if not torch.equal(hi, lo):
+        raise RuntimeError(
+            "update_in_backward: the ranks' gradients became final in different orders "
+            "(a graph that differs between ranks); their all-reduces paired different parameters"
+        )
+
+
+@torch.no_grad()
+def broadcast_module_(module: torch.nn.Module, src: int = 0, group: Any = None) -> None:
+    """Every parameter and buffer of `module` set to rank `src`'s (as DDP does when it wraps a
+    module): replicas that start equal and apply the same averaged gradients stay equal."""
+    import torch.distributed as dist
+
+    for t in [*module.parameters(), *module.buffers()]:
+        dist.broadcast(t.data, src=src, group=group)
