@@ -37,6 +37,32 @@ Non-finite gradients: a parameter whose final gradient is not finite is not upda
 untouched) and counted in `InBackward.skipped`; the others are. The trainer treats a step in which
 no parameter was updated as a skipped step (nothing advances) and otherwise logs the count.
 
+Several processes (the trainer sets these up; `Trainer._set_up_in_backward`):
+
+* DDP (``dist.sharding=ddp``): the model is not wrapped in DDP, whose reducer would keep every
+  gradient alive in its buckets; every rank starts from rank 0's weights (`broadcast_module_`,
+  again for the factors a warm start's switch creates), accumulates its own micro-batches as
+  above, and each final gradient is averaged over the ranks in its hook (`AllReduceMean`: G/N,
+  then an all-reduce sum, as DDP's reducer does) before anything else reads it. The hooks fire in
+  autograd's order, the same on every rank for the same graph; `check_same_order` verifies it
+  after every step. One synchronous all-reduce per parameter (no bucketing, no overlap).
+* FSDP2 (``dist.sharding=fsdp2``): FSDP2 calls the hooks itself on each sharded parameter right
+  after its reduce-scatter (the averaged shard). This mode reduce-scatters on every micro-step, so
+  the accumulators are shards (1/N of a full one) instead of FSDP2's unsharded accumulated
+  gradients (no reduce-scatter until the last micro-step); the price is K reduce-scatters per
+  step instead of one. Sharded matrices keep full (sharded) accumulators, never low-rank ones: the
+  basis lives whole on one owner rank. Element-wise methods step their local shard; whole-matrix
+  ones (projection, 8-bit, Adam-mini) step one parameter at a time through the owner ranks
+  (optimizers/_owners.py), collectives that every rank enters for the same parameter in the same
+  order (FSDP2 runs the hooks in its fixed parameter order). Each shard's squared norm is summed
+  over the ranks in its hook (one scalar all-reduce), so every rank sees the whole gradient's
+  norm and takes the same skip decision (a rank skipping a collective step alone would hang).
+* The clip coefficient, the logged norm and the skip decision are the same numbers on every rank
+  and in every launch mode, except the logged (and clipping) norm of a low-rank accumulated
+  matrix, ||back(R) + G_K||, which depends on how the step's micro-batches are split: one process
+  with K micro-batches of B N rows and N DDP ranks with K of B each agree; FSDP2 (full
+  accumulators) logs the whole gradient's norm instead. Without clipping the weights agree.
+
 Bytes (per rank; s_g the gradient itemsize): the accumulators, sum over parameters of
 s_g r max(m, n) (low rank) or s_g numel (full) while K > 1, plus the gradients in flight: the
 largest step unit's final gradients plus the gradient autograd is producing (at most the two
