@@ -6,6 +6,9 @@ it got real sharding: every parameter becomes a DTensor sharded on dim 0 across 
 (uneven sizes are padded by torch, `torch.chunk` semantics). Forward and backward all-gather a
 layer's parameters, backward reduce-scatters (averages) its gradients, and the optimizer steps
 on the local shards, so element-wise optimizers (AdamW, the factorized methods) need no change.
+With ``train.update_in_backward`` FSDP2 itself runs each sharded parameter's post-accumulate-grad
+hook right after its reduce-scatter, and the trainer reduce-scatters every micro-step
+(`effpretrain.in_backward`, "Several processes").
 
 Checkpoints use torch.distributed.checkpoint (DCP): `save_sharded` writes the model's and the
 optimizer's tensors into ``step-N/dcp/`` with every rank writing only its own shards (one

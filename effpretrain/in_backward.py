@@ -37,6 +37,32 @@ Non-finite gradients: a parameter whose final gradient is not finite is not upda
 untouched) and counted in `InBackward.skipped`; the others are. The trainer treats a step in which
 no parameter was updated as a skipped step (nothing advances) and otherwise logs the count.
 
+Several processes (the trainer sets these up; `Trainer._set_up_in_backward`):
+
+* DDP (``dist.sharding=ddp``): the model is not wrapped in DDP, whose reducer would keep every
+  gradient alive in its buckets; every rank starts from rank 0's weights (`broadcast_module_`,
+  again for the factors a warm start's switch creates), accumulates its own micro-batches as
+  above, and each final gradient is averaged over the ranks in its hook (`AllReduceMean`: G/N,
+  then an all-reduce sum, as DDP's reducer does) before anything else reads it. The hooks fire in
+  autograd's order, the same on every rank for the same graph; `check_same_order` verifies it
+  after every step. One synchronous all-reduce per parameter (no bucketing, no overlap).
+* FSDP2 (``dist.sharding=fsdp2``): FSDP2 calls the hooks itself on each sharded parameter right
+  after its reduce-scatter (the averaged shard). This mode reduce-scatters on every micro-step, so
+  the accumulators are shards (1/N of a full one) instead of FSDP2's unsharded accumulated
+  gradients (no reduce-scatter until the last micro-step); the price is K reduce-scatters per
+  step instead of one. Sharded matrices keep full (sharded) accumulators, never low-rank ones: the
+  basis lives whole on one owner rank. Element-wise methods step their local shard; whole-matrix
+  ones (projection, 8-bit, Adam-mini) step one parameter at a time through the owner ranks
+  (optimizers/_owners.py), collectives that every rank enters for the same parameter in the same
+  order (FSDP2 runs the hooks in its fixed parameter order). Each shard's squared norm is summed
+  over the ranks in its hook (one scalar all-reduce), so every rank sees the whole gradient's
+  norm and takes the same skip decision (a rank skipping a collective step alone would hang).
+* The clip coefficient, the logged norm and the skip decision are the same numbers on every rank
+  and in every launch mode, except the logged (and clipping) norm of a low-rank accumulated
+  matrix, ||back(R) + G_K||, which depends on how the step's micro-batches are split: one process
+  with K micro-batches of B N rows and N DDP ranks with K of B each agree; FSDP2 (full
+  accumulators) logs the whole gradient's norm instead. Without clipping the weights agree.
+
 Bytes (per rank; s_g the gradient itemsize): the accumulators, sum over parameters of
 s_g r max(m, n) (low rank) or s_g numel (full) while K > 1, plus the gradients in flight: the
 largest step unit's final gradients plus the gradient autograd is producing (at most the two
@@ -57,7 +83,14 @@ from optimizers import projection as proj
 from optimizers._sharded import local, sum_squares_fp64
 from optimizers.momentum_reset import unwrap_optimizer
 
-__all__ = ["InBackward", "clip_coefficient", "step_units"]
+__all__ = [
+    "AllReduceMean",
+    "InBackward",
+    "broadcast_module_",
+    "check_same_order",
+    "clip_coefficient",
+    "step_units",
+]
 
 
 def clip_coefficient(max_norm: float, norm: float | None) -> float:
@@ -97,6 +130,8 @@ class InBackward:
 
     Attributes:
         prev_norm: the previous step's global gradient norm (None before the first step).
+        order: this step's parameters (indices into `params`) in the order their gradients became
+            final (the order of the `reduce` calls; `check_same_order`).
         skipped: parameters not updated in the last step (non-finite gradient).
         step_seconds: wall time spent in the per-unit optimizer steps (cumulative).
     """
@@ -117,6 +152,8 @@ class InBackward:
         self.step_seconds = 0.0
         self._group = {id(p): g for g in self.opt.param_groups for p in g["params"]}
         self._unit = {id(p): unit for unit in step_units(self.opt, self.params) for p in unit}
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self.order: list[int] = []
         self._acc: dict[int, tuple[torch.Tensor, torch.Tensor | None, str]] = {}
         self._final: dict[int, torch.Tensor] = {}
         self._squares: dict[int, torch.Tensor] = {}
@@ -136,13 +173,14 @@ class InBackward:
         """Call before micro-batch `k` (0-based) of `num_micro`'s backward."""
         if k == 0:
             self._squares.clear()
+            self.order = []
             self.skipped = 0
             self._coef = clip_coefficient(self.max_norm, self.prev_norm)
         self._active, self._last = True, k == num_micro - 1
 
     def finish(self) -> float:
-        """Ends the step: the global norm of this step's final gradients (a collective under FSDP2:
-        shards' squares are summed over ranks), remembered for the next step's clipping."""
+        """Ends the step: the global norm of this step's final gradients, remembered for the next
+        step's clipping (no collective: every parameter's squares are already whole, `_hook`)."""
         self._active = False
         if self._acc or self._final:
             raise RuntimeError(
@@ -155,28 +193,12 @@ class InBackward:
         return norm
 
     def _global_norm(self) -> float:
-        from torch.distributed.tensor import DTensor
-
-        sharded = torch.zeros((), dtype=torch.float64)
-        whole = torch.zeros((), dtype=torch.float64)
-        mesh = None
+        total = torch.zeros((), dtype=torch.float64)
         for p in self.params:  # model order, so the fp64 sum is the same in every launch mode
             sq = self._squares.get(id(p))
-            if sq is None:
-                continue
-            if isinstance(p, DTensor):
-                sharded += sq.cpu()
-                mesh = p.device_mesh
-            else:
-                whole += sq.cpu()
-        if mesh is not None:
-            import torch.distributed as dist
-
-            dev = local(self.params[0]).device
-            total = sharded.to(dev)
-            dist.all_reduce(total, group=mesh.get_group())
-            sharded = total.cpu()
-        return float((sharded + whole).sqrt().float())
+            if sq is not None:
+                total += sq.cpu()
+        return float(total.sqrt().float())
 
     # -- the hook ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -189,7 +211,8 @@ class InBackward:
         grad = self._final_grad(p)
         if self.reduce is not None:
             self.reduce(grad)
-        self._squares[id(p)] = sum_squares_fp64(local(grad))
+        self.order.append(self._index[id(p)])
+        self._squares[id(p)] = _whole_squares(grad)
         self._final[id(p)] = grad
         p.grad = None
         unit = self._unit.get(id(p), [p])
@@ -248,3 +271,64 @@ class InBackward:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.prev_norm = sd.get("prev_norm")
+
+
+def _whole_squares(grad: torch.Tensor) -> torch.Tensor:
+    """sum(G^2) in fp64 of a whole gradient: for an FSDP2 shard (DTensor) the ranks' partial sums
+    are added (one all-reduce of a scalar), so that every rank sees the same number and takes
+    the same skip decision (the whole-matrix steps are collectives: a rank that skipped alone
+    would leave the others waiting)."""
+    from torch.distributed.tensor import DTensor
+
+    sq = sum_squares_fp64(local(grad))
+    if isinstance(grad, DTensor):
+        import torch.distributed as dist
+
+        dist.all_reduce(sq, group=grad.device_mesh.get_group())
+    return sq
+
+
+class AllReduceMean:
+    """`InBackward`'s ``reduce`` for data parallelism without a DDP wrapper: G <- sum_r (G_r / N)
+    over the N ranks of `group` (an all-reduce per final gradient, called in the same order on
+    every rank: hooks fire in autograd's order, the same for the same graph; `check_same_order`).
+
+    The gradient is multiplied by 1/N before the sum, as DDP's reducer does on its buckets
+    (``mul_out(bucket, grad, 1 / N)``, then SUM), so each averaged gradient is bitwise DDP's.
+    """
+
+    def __init__(self, world: int, group: Any = None) -> None:
+        self.world, self.group = int(world), group
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        grad.mul_(1.0 / self.world)
+        dist.all_reduce(grad, group=self.group)
+
+
+def check_same_order(order: list[int], device: torch.device, group: Any = None) -> None:
+    """RuntimeError unless every rank reduced its gradients in the same order (one all-reduce of
+    2 len(order) integers: a rank whose order differs would have averaged another parameter's
+    gradient into its own)."""
+    import torch.distributed as dist
+
+    mine = torch.tensor(order, dtype=torch.int64, device=device)
+    both = torch.cat([mine, -mine])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    hi, lo = both[: len(order)], -both[len(order) :]
+    if not torch.equal(hi, lo):
+        raise RuntimeError(
+            "update_in_backward: the ranks' gradients became final in different orders "
+            "(a graph that differs between ranks); their all-reduces paired different parameters"
+        )
+
+
+@torch.no_grad()
+def broadcast_module_(module: torch.nn.Module, src: int = 0, group: Any = None) -> None:
+    """Every parameter and buffer of `module` set to rank `src`'s (as DDP does when it wraps a
+    module): replicas that start equal and apply the same averaged gradients stay equal."""
+    import torch.distributed as dist
+
+    for t in [*module.parameters(), *module.buffers()]:
+        dist.broadcast(t.data, src=src, group=group)

@@ -29,7 +29,7 @@ from effpretrain import evaluation, fsdp, memory, memory_measure
 from effpretrain.config import RunConfig, apply_overrides, dump_yaml, from_dict, to_dict, validate
 from effpretrain.errors import ConfigError
 from effpretrain.evaluation import EvalResult
-from effpretrain.in_backward import InBackward
+from effpretrain.in_backward import AllReduceMean, InBackward, broadcast_module_, check_same_order
 from effpretrain.launch import check_launch, make_accelerator
 from effpretrain.loss import token_loss_sum
 from effpretrain.models import set_activation_checkpointing
@@ -190,7 +190,10 @@ class Trainer:
         opt, self.sched = build_optimizer_and_schedule(model, self.cfg)
         self.inner_opt = opt
         self.inb: InBackward | None = None
-        if self.fsdp:
+        # DDP with updates in backward: no DDP wrapper (its buckets would keep every gradient
+        # alive); each final gradient is all-reduced in its hook instead (`_set_up_in_backward`).
+        self.ddp_in_backward = self.world > 1 and not self.fsdp and self.cfg.train.update_in_backward
+        if self.fsdp or self.ddp_in_backward:
             # Not through acc.prepare: without Accelerate's FSDP plugin it would wrap in DDP.
             self.model, self.opt = model, opt
         else:
@@ -198,6 +201,7 @@ class Trainer:
         if (
             self.world > 1
             and not self.fsdp
+            and not self.ddp_in_backward
             and not isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
         ):
             raise ConfigError(
@@ -207,16 +211,26 @@ class Trainer:
 
     def _set_up_in_backward(self) -> None:
         """`train.update_in_backward`: the hooks that step each parameter inside backward, on the
-        parameters that train now (again after a warm start's switch)."""
+        parameters that train now (again after a warm start's switch).
+
+        DDP (unwrapped model): every rank starts from rank 0's weights (broadcast here, also the
+        factors a warm start's switch creates) and each final gradient is averaged over the ranks
+        in its hook (`in_backward.AllReduceMean`), so the replicas stay equal. FSDP2: the hooks run
+        on each sharded parameter right after its reduce-scatter (FSDP2 calls them), which this
+        mode asks for on every micro-step (`_forward_backward`)."""
         if not self.cfg.train.update_in_backward:
             return
         if self.inb is not None:
             self.inb.remove()
         prev = self.inb.prev_norm if self.inb is not None else None
-        if self.world > 1 and not self.fsdp:
-            raise ConfigError("train.update_in_backward is not supported with dist.sharding=ddp yet")
-        params = list(self.acc.unwrap_model(self.model).parameters())
-        self.inb = InBackward(params, self.inner_opt, max_norm=self.cfg.train.grad_clip)
+        model = self.acc.unwrap_model(self.model)
+        reduce = None
+        if self.ddp_in_backward:
+            broadcast_module_(model)
+            reduce = AllReduceMean(self.world)
+        self.inb = InBackward(
+            list(model.parameters()), self.inner_opt, max_norm=self.cfg.train.grad_clip, reduce=reduce
+        )
         self.inb.prev_norm = prev
 
     @property
@@ -466,6 +480,8 @@ class Trainer:
         loss = self._forward_backward()
         if self.inb is not None:
             gnorm = self.inb.finish()
+            if self.ddp_in_backward:
+                check_same_order(self.inb.order, self.acc.device)
             self.opt_seconds += self.inb.step_seconds
             self.inb.step_seconds = 0.0
             # A step that updated any parameter has happened: it counts, and the data moves on.
@@ -504,8 +520,12 @@ class Trainer:
                 self.inb.begin_micro(k, K)
             if self.fsdp:
                 # Reduce-scatter only on the last micro-step; earlier ones accumulate unsharded grads.
-                self.model.set_requires_gradient_sync(last)
+                # Updates in backward reduce-scatter every micro-step: the hooks then accumulate
+                # 1/N-size shards instead of FSDP2 keeping whole (unsharded) accumulated gradients.
+                self.model.set_requires_gradient_sync(last or self.inb is not None)
                 sync = contextlib.nullcontext()
+            elif self.ddp_in_backward:
+                sync = contextlib.nullcontext()  # no DDP wrapper: the hooks all-reduce (last micro-step)
             else:
                 sync = contextlib.nullcontext() if last else self.acc.no_sync(self.model)
             with sync, self.acc.autocast():

@@ -1,0 +1,186 @@
+"""`train.update_in_backward` under 2 CPU processes (gloo, torchrun): DDP (no DDP wrapper: each
+final gradient is averaged over the ranks in its hook) and FSDP2 (the hooks run on each sharded
+parameter right after its reduce-scatter, every micro-step) end equal to one process in the same
+mode at the same global batch, with clipping off and on (the previous step's norm, the same
+number in every mode; GaLore under FSDP2 with clipping is the known exception, marked below);
+DDP in this mode is bitwise DDP's own path for adamw; a ReLoRA warm start's switch keeps the DDP
+ranks identical; resume under FSDP2 in this mode is exact.
+
+Measured (max relative weight difference to one process, clipping off / on): adamw DDP 9.2e-7 /
+2.9e-6, FSDP2 9.3e-7 / 2.1e-6; lowrank_restarts (SVD refactorizations) DDP 8.5e-5 / 7.8e-5,
+FSDP2 7.5e-5 / 8.7e-5; galore DDP 1.4e-7 / 2.7e-7, FSDP2 1.9e-7 / 7.2e-3 (norms 25% apart);
+fira DDP 2.3e-7 / 3.3e-7, FSDP2 2.9e-7 / 4.0e-7; apollo DDP 7.6e-8 / 6.5e-8, FSDP2 7.7e-8 / 6.4e-8.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from distributed_helpers import COMMON, final, rel_diff, run_worker_pair
+
+import optimizers
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Element-wise (adamw), factorized with restarts, and the projection methods (GaLore's low-rank
+# accumulators, Fira's and APOLLO's full ones; under FSDP2 all three step on owner ranks).
+METHODS = ["adamw", "lowrank_restarts", "galore", "fira", "apollo"]
+CLIPS = {"noclip": "0", "clip": "0.05"}  # 0.05: far below every step's norm here, so it bites
+MODES = ["ddp", "fsdp2"]
+
+WORKER = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from effpretrain.config import load_config
+    from effpretrain.trainer import train
+
+    root, out, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    methods, clips, common = sys.argv[4].split(","), dict(c.split("=") for c in sys.argv[5].split(",")), sys.argv[6:]
+    recipe = lambda m: root / "recipes" / "tiny" / f"{m}.yaml"
+    common = common + ["train.update_in_backward=true", "train.grad_accum=4"]
+    warm = ["train.grad_clip=0.05", "factor.warm_start_steps=5"]  # ReLoRA: switch after step 5
+    if mode == "one":
+        # Micro-batch k of 4 rows is the union of the two ranks' micro-batch k (2 rows each).
+        for m in methods:
+            for tag, clip in clips.items():
+                over = common + ["train.batch_size=4", f"train.grad_clip={clip}"]
+                train(load_config(recipe(m), over), out / f"{m}-{tag}-1p")
+        train(load_config(recipe("relora"), common + warm + ["train.batch_size=4"]), out / "relora-warm-1p")
+        sys.exit(0)
+    import torch
+    from effpretrain.trainer import Trainer
+
+    # DDP's own path (a DDP wrapper, one all-reduce per bucket after backward), to compare bits.
+    over = common + ["train.batch_size=2", "train.grad_clip=0", "train.update_in_backward=false"]
+    train(load_config(recipe("adamw"), over), out / "adamw-noclip-ddp-normal")
+    # A warm start's switch creates the factors on every rank: rank 0's are broadcast. Each rank
+    # writes its final weights, which must be the same bits.
+    tr = Trainer(load_config(recipe("relora"), common + warm + ["train.batch_size=2"]), out / "relora-warm-ddp")
+    tr.fit()
+    weights = {k: v.detach().clone() for k, v in tr.acc.unwrap_model(tr.model).state_dict().items()}
+    torch.save(weights, out / "relora-warm-ddp" / f"rank{tr.rank}.pt")
+    del tr
+    for sharding in ("ddp", "fsdp2"):
+        for m in methods:
+            for tag, clip in clips.items():
+                over = common + ["train.batch_size=2", f"train.grad_clip={clip}", f"dist.sharding={sharding}"]
+                train(load_config(recipe(m), over), out / f"{m}-{tag}-{sharding}")
+    over = common + ["train.batch_size=2", "train.grad_clip=0.05", "dist.sharding=fsdp2", "train.save_every=10"]
+    train(load_config(recipe("galore"), over), out / "galore-straight")
+    train(load_config(recipe("galore"), over), out / "galore-split",
+          resume=str(out / "galore-straight" / "checkpoints" / "step-10"))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("inb-dist")
+    clips = ",".join(f"{k}={v}" for k, v in CLIPS.items())
+    run_worker_pair(WORKER, out, [",".join(METHODS), clips, *COMMON])
+    return out
+
+
+def _norms(run) -> dict[int, float]:
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["grad_norm"] for r in recs if "grad_norm" in r}
+
+
+def _low_rank_accumulated(method: str) -> bool:
+    """Whether the recipe's optimizer sums projected micro-gradients (low-rank accumulators,
+    `ProjectedAdam.accumulation_basis`): one process and DDP do, FSDP2 shards cannot."""
+    name = (
+        yaml.safe_load((ROOT / "recipes" / "tiny" / f"{method}.yaml").read_text())
+        .get("optim", {})
+        .get("name", "adamw")
+    )
+    return bool(getattr(optimizers.method_spec(name).cls, "PROJECTED_GRAD_ONLY", False))
+
+
+def _cases() -> list:
+    """Every (method, clip, mode); GaLore under FSDP2 is marked as the known gap it is: FSDP2's
+    shards keep full (1/N-size) accumulators, so its logged and clipping norm is the whole
+    gradient's, while one process and DDP log ||back(R) + G_K|| of their low-rank accumulators
+    (the documented rule); a different clip coefficient then gives different weights. Without
+    clipping its weights still agree: `test_low_rank_accumulation_does_not_change_fsdp2_weights`."""
+    out = []
+    for method in METHODS:
+        for clip in CLIPS:
+            for mode in MODES:
+                marks = []
+                if mode == "fsdp2" and _low_rank_accumulated(method):
+                    marks = [pytest.mark.xfail(strict=True, reason="FSDP2 has no low-rank accumulators")]
+                out.append(pytest.param(method, clip, mode, marks=marks, id=f"{method}-{clip}-{mode}"))
+    return out
+
+
+def _tolerance(summary: dict) -> float:
+    """1e-5 relative in the weights, as the other parity tests; 2e-4 for a run whose restarts
+    refactorize (SVD) the factors: one process sums a micro-batch's 4 rows in one product where
+    the ranks sum 2 and 2 (and averages in another order), differences of ~1e-7 in the
+    gradients that an SVD amplifies (2e-7 without restarts, 8e-5 with them, measured)."""
+    return 2e-4 if summary.get("opt/restarts") else 1e-5
+
+
+@pytest.mark.parametrize(("method", "clip", "mode"), _cases())
+def test_two_processes_equal_one_process_with_updates_in_backward(method, clip, mode, runs):
+    one_dir, two_dir = runs / f"{method}-{clip}-1p", runs / f"{method}-{clip}-{mode}"
+    one = json.loads((one_dir / "summary.json").read_text())
+    two = json.loads((two_dir / "summary.json").read_text())
+    assert two["world_size"] == 2 and two["sharding"] == mode and one["world_size"] == 1
+    assert two["tokens"] == one["tokens"]
+    # The logged norm is the real one (never 0), the same number in both (the clip coefficient).
+    a, b = _norms(one_dir), _norms(two_dir)
+    assert len(a) == 4 and a.keys() == b.keys() and min(a.values()) > 0
+    assert all(abs(b[s] - a[s]) <= 1e-5 * a[s] for s in a), (b, a)
+    if clip == "clip":
+        assert min(a.values()) > 2 * float(CLIPS["clip"])  # clipping bites at every logged step
+    assert abs(two["final_val_loss"] - one["final_val_loss"]) <= 1e-5 * abs(one["final_val_loss"])
+    assert rel_diff(final(two_dir), final(one_dir)) <= _tolerance(one)
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if _low_rank_accumulated(m)])
+def test_low_rank_accumulation_does_not_change_fsdp2_weights(method, runs):
+    """Without clipping, GaLore under FSDP2 (full sharded accumulators) ends where one process
+    (low-rank accumulators) does: proj(back(R) + G_K) = R + proj(G_K) up to rounding."""
+    one, two = final(runs / f"{method}-noclip-1p"), final(runs / f"{method}-noclip-fsdp2")
+    assert rel_diff(two, one) <= 1e-5
+
+
+def test_ddp_in_backward_is_bitwise_ddp_without_clipping(runs):
+    """Each rank sums its micro-batches' gradients in autograd's order, then G/N is summed over
+    the ranks: the order DDP's reducer uses, so adamw ends with the same bits as DDP itself."""
+    a, b = final(runs / "adamw-noclip-ddp"), final(runs / "adamw-noclip-ddp-normal")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _norms(runs / "adamw-noclip-ddp") == _norms(runs / "adamw-noclip-ddp-normal")
+
+
+def test_ddp_in_backward_across_a_warm_start_switch(runs):
+    """ReLoRA's warm start under DDP in this mode (no DDP wrapper to re-wrap at the switch): the
+    ranks stay bitwise identical through the switch and two merges, and equal one process."""
+    r0, r1 = (torch.load(runs / "relora-warm-ddp" / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert r0.keys() == r1.keys() and all(torch.equal(r0[k], r1[k]) for k in r0)
+    one = json.loads((runs / "relora-warm-1p" / "summary.json").read_text())
+    two = json.loads((runs / "relora-warm-ddp" / "summary.json").read_text())
+    assert one["opt/restarts"] == two["opt/restarts"] == 2
+    assert abs(two["final_val_loss"] - one["final_val_loss"]) <= 1e-5 * abs(one["final_val_loss"])
+    a, b = _norms(runs / "relora-warm-1p"), _norms(runs / "relora-warm-ddp")
+    assert a.keys() == b.keys() and all(abs(b[s] - a[s]) <= 1e-5 * a[s] for s in a)
+    assert rel_diff(final(runs / "relora-warm-ddp"), final(runs / "relora-warm-1p")) <= _tolerance(one)
+
+
+def test_resume_under_two_fsdp2_processes_is_exact_with_updates_in_backward(runs):
+    a, b = final(runs / "galore-straight"), final(runs / "galore-split")
+    # (the split run logs steps 15 and 20, after its resume at 10)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    sa = json.loads((runs / "galore-straight" / "summary.json").read_text())
+    sb = json.loads((runs / "galore-split" / "summary.json").read_text())
+    assert sa["final_val_loss"] == sb["final_val_loss"]
+    straight, split = _norms(runs / "galore-straight"), _norms(runs / "galore-split")
+    assert list(split) == [15, 20] and all(split[s] == straight[s] for s in split)
