@@ -20,12 +20,15 @@ measured and estimated peaks; and the two checks of acceptance 2:
 
 - ``grads_within_estimate``: measured in-backward peak gradient bytes <= the estimator's figure;
 - ``peak_falls``: (normal peak - in-backward peak) >= 0.8 x (normal gradient bytes - in-backward
-  gradient bytes), both measured. Where the in-backward run holds more gradient bytes (K = 4 with
-  full accumulators: every gradient plus one in flight) the right side is negative and the check
-  says only that the peak did not grow by more than 0.8 x that excess.
+  gradient bytes), both measured; null where the in-backward run holds more gradient bytes (K = 4
+  with full accumulators for the embeddings and head: every such gradient plus one in flight),
+  where ``peak_not_higher`` says whether its peak at least did not rise. (The normal path's
+  incoming micro-batch gradient is alive too while autograd adds it into ``.grad``; not being
+  ``.grad`` it counts there as a temporary, so the peaks are the like-for-like comparison.)
 
 Writes ``benchmarks/results/in_backward_memory.json`` (commit, machine, torch, date, settings,
-rows) and prints the table; progress goes to stderr. About 5 CPU-minutes on one core.
+rows) and prints the table; progress goes to stderr. About 3 CPU-minutes on one core (5 wall
+minutes on a shared 2-core machine).
 
     python benchmarks/in_backward_memory.py [--presets llama_20m] [--methods adamw galore] [--ks 1 4]
 """
@@ -113,7 +116,9 @@ def compare(normal: dict[str, Any], inb: dict[str, Any]) -> dict[str, Any]:
         "grads_within_estimate": inb["measured_grad_bytes"] <= inb["estimated_grad_bytes"],
         "refresh_grads_within_estimate": inb["measured_grad_bytes_step0"]
         <= inb["estimated_grad_bytes_at_refresh"],
-        "peak_falls": peak_fall >= FALL * grad_saving,
+        # None where in backward holds more gradient bytes: there is no saving to fall by.
+        "peak_falls": peak_fall >= FALL * grad_saving if grad_saving > 0 else None,
+        "peak_not_higher": peak_fall >= 0,
     }
 
 
@@ -127,7 +132,11 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         n, i, c = r["normal"], r["in_backward"], r["check"]
         share = "-" if c["peak_fall_share"] is None else f"{c['peak_fall_share']:.2f}"
-        ok = "ok" if c["grads_within_estimate"] and c["peak_falls"] else "FAIL"
+        grads = "grads<=est" if c["grads_within_estimate"] else "grads>est FAIL"
+        fall = {True: "fall ok", False: "fall FAIL", None: "no saving"}[c["peak_falls"]]
+        if c["peak_falls"] is None:
+            fall += ", peak " + ("not higher" if c["peak_not_higher"] else "HIGHER")
+        ok = f"{grads}; {fall}"
         lines.append(
             f"{r['preset']:<10}{r['method']:<17}{r['k']:>2} | {mb(n['measured_grad_bytes']):>16}"
             f"{mb(i['measured_grad_bytes']):>9}{mb(i['estimated_grad_bytes']):>9}"

@@ -19,6 +19,14 @@ Estimate, per rank, in bytes:
   ("forward_backward" or "optimizer_step"), ``detail["peak_moment"]`` and
   ``detail["peak_terms"]`` say where it is reached and of what it is made.
 
+With ``train.update_in_backward`` (`effpretrain.in_backward`: each parameter steps inside
+backward and its gradient is freed) no moment holds every gradient: the gradient term is the
+accumulators of an accumulating step (low rank, r x max(m, n), for the matrices of a class whose
+update reads G only through R, between refreshes; full otherwise) plus the gradients in flight
+(`in_backward_terms` states the rule), a refresh step's full accumulators are the bounded spike
+(``refresh_*`` moments), and the optimizer step's transient moves into each block's backward
+(`in_backward_moments`).
+
 The parameter shapes are those of the preset's LlamaForCausalLM built on PyTorch's meta device
 (shapes only, no storage); a factorized target's tensors come from `FactorSpec.param_counts`
 (building SLTrain's random support at 1B shapes would take far longer than the estimate).
