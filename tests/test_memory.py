@@ -610,3 +610,25 @@ def test_in_backward_fsdp2_accumulators_are_shards():
         assert inb.detail["grad_accumulators"] == normal.grads
         _, one = _inb(method, 4)
         assert normal.grads < one.detail["grads_all_parameters"]
+
+
+def test_estimate_command_shows_the_in_backward_mode(capsys):
+    """``effpretrain estimate --update-in-backward`` (a minimal flag in effpretrain/cli.py): the
+    table names the mode and its gradient terms; the figures are the estimator's."""
+    from effpretrain import cli
+    from effpretrain.config import OptimConfig
+
+    args = ["estimate", "--model", "llama_60m", "--method", "galore", "--rank", "128", "--grad-accum", "4"]
+    assert cli.main([*args, "--update-in-backward"]) == 0
+    out = capsys.readouterr().out
+    assert "updates in backward" in out and "accumulators" in out and "at a refresh step" in out
+    want = estimate(
+        "llama_60m",
+        "galore",
+        optim_cfg=OptimConfig(name="galore", rank=128),
+        grad_accum=4,
+        update_in_backward=True,
+    )
+    assert f"({want.grads:,} B)" in out
+    assert cli.main(args) == 0
+    assert "updates in backward" not in capsys.readouterr().out
