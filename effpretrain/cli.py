@@ -82,6 +82,11 @@ def _add_estimate(sub) -> None:
     e.add_argument("--seq-len", type=int, default=256)
     e.add_argument("--activation-checkpointing", type=int, default=0, metavar="K")
     e.add_argument("--grad-accum", type=int, default=1, help="micro-steps per step (held gradients)")
+    e.add_argument(
+        "--update-in-backward",
+        action="store_true",
+        help="as train.update_in_backward: gradients become accumulators + gradients in flight",
+    )
     e.add_argument("--loss", default=TrainConfig.loss, choices=list(get_args(LossKind)), help="as train.loss")
     e.add_argument("--world-size", type=int, default=1)
     e.add_argument("--sharding", default="none", choices=["none", "ddp", "fsdp2"])
@@ -225,6 +230,7 @@ def cmd_estimate(args) -> int:
         grad_accum=args.grad_accum,
         loss=args.loss,
         restarts=args.method.endswith("_restarts"),
+        update_in_backward=args.update_in_backward,
     )
     if factor != "none":
         est.detail["method"] = args.method

@@ -19,6 +19,14 @@ Estimate, per rank, in bytes:
   ("forward_backward" or "optimizer_step"), ``detail["peak_moment"]`` and
   ``detail["peak_terms"]`` say where it is reached and of what it is made.
 
+With ``train.update_in_backward`` (`effpretrain.in_backward`: each parameter steps inside
+backward and its gradient is freed) no moment holds every gradient: the gradient term is the
+accumulators of an accumulating step (low rank, r x max(m, n), for the matrices of a class whose
+update reads G only through R, between refreshes; full otherwise) plus the gradients in flight
+(`in_backward_terms` states the rule), a refresh step's full accumulators are the bounded spike
+(``refresh_*`` moments), and the optimizer step's transient moves into each block's backward
+(`in_backward_moments`).
+
 The parameter shapes are those of the preset's LlamaForCausalLM built on PyTorch's meta device
 (shapes only, no storage); a factorized target's tensors come from `FactorSpec.param_counts`
 (building SLTrain's random support at 1B shapes would take far longer than the estimate).
@@ -182,6 +190,85 @@ def projection_group(optim_cfg: Any) -> dict[str, Any]:
     )
 
 
+def lowrank_accumulator_bytes(
+    method: optimizers.MethodSpec, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype
+) -> int | None:
+    """Bytes of the low-rank accumulator R = sum_k proj(G_k) that ``train.update_in_backward``
+    keeps for a parameter of `shape` in `group` between basis refreshes, or None where it keeps a
+    full one: as `ProjectedAdam.accumulation_basis` decides, a projected group of a class whose
+    update reads G only through R (its ``PROJECTED_GRAD_ONLY``, read from the registry's target
+    class) with a stored (`ComputedBasis`) basis. R has `projection.low_rank_shape`: r x max(m, n)
+    for ``proj_type: std``. (FSDP2's sharded parameters always keep full accumulators: the caller
+    does not ask.)"""
+    if not method.projects or not (group.get("project") or group.get("rank") is not None):
+        return None
+    cls = method.cls
+    if not getattr(cls, "PROJECTED_GRAD_ONLY", False):
+        return None
+    from optimizers import projection as proj
+    from optimizers.projected_adam import ComputedBasis
+
+    g = cls.resolve_group(group)
+    if not g["project"] or not isinstance(cls._basis_policy(g), ComputedBasis):
+        return None
+    side = proj.choose_side(tuple(shape), g["proj_type"])
+    return math.prod(proj.low_rank_shape(tuple(shape), g["rank"], side, g["basis"])) * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class InBackwardTerms:
+    """Gradient memory of ``train.update_in_backward`` (bytes per rank; `in_backward_terms`).
+
+    Attributes:
+        accumulators: the accumulators of a step of K > 1 micro-batches between refreshes (0 for
+            K = 1): s_g r max(m, n) for a low-rank accumulated matrix, s_g numel for every other
+            trainable tensor (embeddings, head, norms, factors, Fira's and APOLLO's matrices).
+        accumulators_at_refresh: the same at a refresh step (and the first step, which has no
+            basis yet), where every projected matrix keeps a full accumulator: the bounded spike.
+        in_flight: the gradients alive beside the accumulators (the rule is `in_backward_terms`).
+        step_transient: the largest step unit's optimizer-step temporaries (its own step inside
+            backward), or a low-rank accumulator's full-size back-projection, if larger.
+    """
+
+    accumulators: int
+    accumulators_at_refresh: int
+    in_flight: int
+    step_transient: int
+
+    @property
+    def grads(self) -> int:
+        """The gradient figure between refreshes: accumulators + in flight."""
+        return self.accumulators + self.in_flight
+
+    @property
+    def grads_at_refresh(self) -> int:
+        return self.accumulators_at_refresh + self.in_flight
+
+
+def in_backward_terms(t: _Tally, grad_accum: int) -> InBackwardTerms:
+    """The in-backward gradient terms of a tallied model.
+
+    The rule for the gradients in flight, from what `effpretrain.in_backward.InBackward` holds:
+
+    * K = 1: the largest step unit's final gradients (one parameter; a (B, A) pair of a method
+      that steps pairs, whose first final gradient waits while the second is produced). Each
+      unit steps in the hook that makes its last gradient final and frees it before autograd
+      produces the next.
+    * K > 1: the largest parameter's gradient, on top of every accumulator: in micro-steps
+      1 .. K-1 a fresh gradient G_k is alive while it is added to its accumulator, and in
+      micro-step K the full accumulator itself becomes the final gradient (acc + G_K, in place),
+      a low-rank one is replaced by back(R) + G_K (the back-projection is a temporary, counted in
+      ``step_transient``), and a pair's first final gradient is its own former accumulator.
+    """
+    accumulate = grad_accum > 1
+    return InBackwardTerms(
+        accumulators=t.acc_steady if accumulate else 0,
+        accumulators_at_refresh=t.acc_refresh if accumulate else 0,
+        in_flight=t.largest_grad if accumulate else t.largest_unit,
+        step_transient=t.unit_transient,
+    )
+
+
 @dataclass
 class _Tally:
     """Running per-rank totals of the parameter part of an estimate (bytes, except counts)."""
@@ -206,6 +293,13 @@ class _Tally:
     block_grads: dict[int, int] = field(default_factory=dict)
     unit_full: dict[int | None, int] = field(default_factory=dict)  # FSDP2 units, unsharded bytes
     unit_mine: dict[int | None, int] = field(default_factory=dict)  # and rank 0's shard
+    # ``train.update_in_backward`` (`InBackwardTerms`): accumulators between refreshes and at a
+    # refresh, the largest parameter's and step unit's gradients, the largest unit's step transient.
+    acc_steady: int = 0
+    acc_refresh: int = 0
+    largest_grad: int = 0
+    largest_unit: int = 0
+    unit_transient: int = 0
 
     def __post_init__(self) -> None:
         self.state_ranks = [0] * self.shard
@@ -226,6 +320,7 @@ class _Tally:
         rank without sharding, on one owner rank under FSDP2 (`finish` places them)."""
         self.stored_weight(shape)
         self.grads += self.stored(shape)
+        self._in_backward_terms(shape, group or {})
         if self.unit is not None:
             self.block_grads[self.unit] = self.block_grads.get(self.unit, 0) + self.stored(shape)
         group = group or {}
@@ -254,6 +349,21 @@ class _Tally:
             full = math.prod(shape) * self.dtype.itemsize
             step = max(step + 2 * full, 4 * full)
         self.transient = self.transient + step if self.method.foreach else max(self.transient, step)
+        self.unit_transient = max(self.unit_transient, step)  # in backward each unit steps alone
+
+    def _in_backward_terms(self, shape: tuple[int, ...], group: dict[str, Any]) -> None:
+        """One trainable tensor's in-backward terms: its accumulator (low rank between refreshes
+        where `lowrank_accumulator_bytes` allows, full otherwise and at a refresh) and, as a
+        single-parameter step unit, its gradient; a low-rank accumulator's back-projection
+        (one full-size temporary at the last micro-step) counts with the unit's step transient."""
+        g = self.stored(shape)
+        low = lowrank_accumulator_bytes(self.method, shape, group, self.dtype) if self.shard == 1 else None
+        self.acc_steady += g if low is None else low
+        self.acc_refresh += g
+        self.largest_grad = max(self.largest_grad, g)
+        self.largest_unit = max(self.largest_unit, g)
+        if low is not None:
+            self.unit_transient = max(self.unit_transient, g)
 
     def chunks(self, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
         """Every rank's part of a `shape` tensor under FSDP2 (torch.chunk's rows)."""
@@ -304,8 +414,11 @@ def _tally_factorized(
         t.stored_weight((m, n))
     if restarts:
         t.restart_transient = max(t.restart_transient, spec.restart_transient_bytes(m, n, rank))
-    if not warm:  # a method that steps the pair jointly (LORO's exact step): its temporaries
-        t.transient = max(t.transient, t.method.pair_step_transient_bytes(m, n, rank, t.dtype))
+    if not warm and t.method.steps_factor_pairs:  # the pair steps jointly (LORO's exact step)
+        pair = t.method.pair_step_transient_bytes(m, n, rank, t.dtype)
+        t.transient = max(t.transient, pair)
+        t.unit_transient = max(t.unit_transient, pair)
+        t.largest_unit = max(t.largest_unit, t.stored((m, rank)) + t.stored((rank, n)))
     t.index_bytes += counts["index_elements"] * torch.int64.itemsize
     t.trainable += m * n if warm else counts["trainable"]
     return counts["trainable"] + counts["frozen"]
@@ -588,6 +701,8 @@ def peak_moments(
     grad_accum: int,
     dist: DistTerms,
     data: int = 0,
+    in_backward: InBackwardTerms | None = None,
+    accumulators: int | None = None,
 ) -> dict[str, dict[str, int]]:
     """Live bytes per term at each moment of a step; the peak is the largest total.
 
@@ -603,9 +718,19 @@ def peak_moments(
       (`MethodSpec.step_transient_bytes`) and a restart's (`FactorSpec.restart_transient_bytes`).
     DDP's buckets (`DistTerms`) are live at every moment (holding the gradients themselves with
     ``gradient_as_bucket_view``), and so is the training data's `data` (`data_bytes`).
+
+    With `in_backward` (``train.update_in_backward``; `accumulators`: its accumulators at the
+    step modelled, `InBackwardTerms.accumulators` by default) no moment holds every gradient: the
+    held gradients are the accumulators (all of them are alive at the last micro-step's forward
+    end and at the start of its backward), each block's backward holds the accumulators plus the
+    gradients in flight (`in_backward_terms`' rule) and the largest step unit's step transient
+    (the optimizer steps inside backward, one unit at a time), and ``optimizer_step`` (the
+    wrapper's step after backward, on no gradients) holds only a restart's transient.
     """
     base = {"weights": t.weights, "optimizer_state": t.state, "ddp_buckets": dist.buckets, "data": data}
     held = t.grads if grad_accum > 1 else 0
+    if in_backward is not None:
+        held = in_backward.accumulators if accumulators is None else accumulators
     out = {
         "forward_end": {**base, "grads": held, "activations": acts.total, "loss": acts.loss.forward},
         "loss_backward": {**base, "grads": held, "activations": acts.total, "loss": acts.loss.backward},
@@ -621,24 +746,49 @@ def peak_moments(
         own = acts.block_full if i in checkpointed else acts.blocks[i]
         m = {
             **base,
-            "grads": max(held, produced),
+            "grads": max(held, produced) if in_backward is None else held + in_backward.in_flight,
             "activations": before + (0 if i in checkpointed else own),
             "recompute": own if i in checkpointed else 0,
             "block_backward_temporaries": t.block_temporaries,
             "fsdp_gather": dist.gather + dist.reduce,
         }
+        if in_backward is not None:
+            m["optimizer_transient"] = in_backward.step_transient
         if sum(m.values()) > sum(worst.values()):
             worst = m
     out["block_backward"] = worst
+    stepped = in_backward is not None  # every unit has stepped and freed its gradient
     out["optimizer_step"] = {
         **base,
-        "grads": t.grads,
-        "optimizer_transient": t.transient,
+        "grads": 0 if stepped else t.grads,
+        "optimizer_transient": 0 if stepped else t.transient,
         "restart_transient": t.restart_transient,
     }
     if dist.grads_in_buckets:
         for m in out.values():
             m["grads"] = 0
+    return out
+
+
+def in_backward_moments(
+    t: _Tally,
+    acts: Activations,
+    checkpointed: Collection[int],
+    grad_accum: int,
+    dist: DistTerms,
+    data: int,
+    terms: InBackwardTerms,
+) -> dict[str, dict[str, int]]:
+    """`peak_moments` of an in-backward step between refreshes and, where a refresh step holds
+    larger accumulators (full ones for every projected matrix), its forward end, loss backward and
+    block backward again as ``refresh_forward_end``, ``refresh_loss_backward`` and
+    ``refresh_block_backward``: the bounded spike, part of the peak."""
+    out = peak_moments(t, acts, checkpointed, grad_accum, dist, data, terms)
+    if terms.accumulators_at_refresh != terms.accumulators:
+        spike = peak_moments(
+            t, acts, checkpointed, grad_accum, dist, data, terms, terms.accumulators_at_refresh
+        )
+        out.update({f"refresh_{k}": v for k, v in spike.items() if k != "optimizer_step"})
     return out
 
 
@@ -671,6 +821,7 @@ def estimate(
     restarts: bool = False,
     ddp_bucket_view: bool = True,
     data: int = 0,
+    update_in_backward: bool = False,
 ) -> Estimate:
     """Analytic memory of training `preset` with optimizer `method` (see module docstring).
 
@@ -682,6 +833,17 @@ def estimate(
     run restarts (merges or refactorizes) factors, whose transient the step moment includes.
     `data`: the training data's bytes during a step (`data_bytes`; the trainer's runs).
     The peak is the largest moment of `peak_moments`.
+
+    `update_in_backward` (``train.update_in_backward``): ``grads`` is the in-backward gradient
+    figure between refreshes, accumulators + gradients in flight (`in_backward_terms`), and the
+    moments are `in_backward_moments` (a refresh step's larger accumulators included in the
+    peak). Detail keys: ``update_in_backward``, ``grads_all_parameters`` (every trainable
+    gradient: the normal path's figure), ``grad_accumulators``, ``grad_accumulators_at_refresh``,
+    ``grads_in_flight``, ``grads_at_refresh``, ``in_backward_step_transient`` and
+    ``peak_between_refreshes``. Under FSDP2 the accumulators are per-rank shards (assumed: the
+    in-backward FSDP2 path reduce-scatters every micro-step, so no unsharded gradient is kept);
+    under DDP no gradient bucket is counted (assumed: each final gradient is all-reduced on its
+    own in its hook, `InBackward`'s ``reduce``).
     """
     from effpretrain.config import OptimConfig
 
@@ -724,8 +886,13 @@ def estimate(
         loss_chunk_tokens=loss_chunk_tokens,
     )
     t.block_temporaries = 2 * batch_size * seq_len * (p.hidden + p.intermediate) * prec.activations.itemsize
-    dist = _dist_terms(t, sharding, world_size, ddp_bucket_view)
-    moments = peak_moments(t, acts, ck, grad_accum, dist, data)
+    ib = in_backward_terms(t, grad_accum) if update_in_backward else None
+    # In backward, DDP's buckets are not used (assumed: each final gradient is reduced in its hook).
+    dist = _dist_terms(t, "none" if ib and sharding == "ddp" else sharding, world_size, ddp_bucket_view)
+    if ib is None:
+        moments = peak_moments(t, acts, ck, grad_accum, dist, data)
+    else:
+        moments = in_backward_moments(t, acts, ck, grad_accum, dist, data, ib)
     peak, moment, terms = _peak(moments)
     detail = {
         "preset": preset,
@@ -742,7 +909,25 @@ def estimate(
         "peak_moment": moment,
         "peak_terms": terms,
     }
-    return Estimate(t.weights, t.grads, t.state, acts.total, t.params, t.trainable, detail, peak=peak)
+    if ib is not None:
+        detail.update(_in_backward_detail(t, ib, moments))
+    grads = t.grads if ib is None else ib.grads
+    return Estimate(t.weights, grads, t.state, acts.total, t.params, t.trainable, detail, peak=peak)
+
+
+def _in_backward_detail(t: _Tally, ib: InBackwardTerms, moments: dict[str, dict[str, int]]) -> dict[str, Any]:
+    """The detail keys of an in-backward estimate (see `estimate`)."""
+    steady = {k: v for k, v in moments.items() if not k.startswith("refresh_")}
+    return {
+        "update_in_backward": True,
+        "grads_all_parameters": t.grads,
+        "grad_accumulators": ib.accumulators,
+        "grad_accumulators_at_refresh": ib.accumulators_at_refresh,
+        "grads_in_flight": ib.in_flight,
+        "grads_at_refresh": ib.grads_at_refresh,
+        "in_backward_step_transient": ib.step_transient,
+        "peak_between_refreshes": _peak(steady)[0],
+    }
 
 
 def estimate_from_config(
@@ -836,6 +1021,7 @@ def _estimate_config(
         loss_chunk_tokens=cfg.train.loss_chunk_tokens,
         restarts=cfg.restarts.every > 0,
         data=data_bytes(cfg.data.shuffle_buffer, cfg.data.seq_len),
+        update_in_backward=cfg.train.update_in_backward,
     )
 
 
@@ -877,7 +1063,7 @@ def format_table(est: Estimate, top: int = 4) -> str:
     reached and its `top` largest terms."""
     rows = [
         ("weights", est.weights),
-        ("gradients", est.grads),
+        ("gradients (in backward)" if est.detail.get("update_in_backward") else "gradients", est.grads),
         ("optimizer state", est.optimizer_state),
         ("activations", est.activations),
         ("weights + optimizer", est.weights_plus_optimizer),
@@ -889,6 +1075,7 @@ def format_table(est: Estimate, top: int = 4) -> str:
         f"{d['preset']} / {d['method']}"
         + (f" + {d['factor']}" if d["factor"] != "none" else "")
         + f" / {d['dtype']} / world {d['world_size']} ({d['sharding']}), per rank"
+        + (" / updates in backward" if d.get("update_in_backward") else "")
     )
     lines = [head, f"  params {est.params:,}  trainable {est.trainable_params:,}"]
     lines += [f"  {name:<24}{b / 1e9:>10.3f} GB  ({b:,} B)" for name, b in rows]
@@ -897,6 +1084,14 @@ def format_table(est: Estimate, top: int = 4) -> str:
         lines.insert(
             5, f"    (the largest rank's; every rank {min(ranks) / 1e9:.3f}-{max(ranks) / 1e9:.3f} GB)"
         )
+    if d.get("update_in_backward"):
+        sub = [
+            ("accumulators", d["grad_accumulators"]),
+            ("in flight", d["grads_in_flight"]),
+            ("at a refresh step", d["grads_at_refresh"]),
+            ("all, normal path", d["grads_all_parameters"]),
+        ]
+        lines[4:4] = [f"    {name:<22}{b / 1e9:>10.3f} GB" for name, b in sub]
     terms = sorted(d.get("peak_terms", {}).items(), key=lambda kv: -kv[1])[:top]
     lines.append(f"  peak at {d.get('peak_moment', '?')} ({d.get('peak_phase', '?')}), largest terms:")
     lines += [f"    {name:<22}{b / 1e9:>10.3f} GB" for name, b in terms]

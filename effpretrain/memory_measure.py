@@ -4,15 +4,21 @@
 step, zero_grad: whatever the callable does) and returns, in bytes per process:
 
 - ``weights``: the distinct storages of the model's parameters and persistent buffers;
-- ``gradients``: the distinct storages the parameters' ``.grad`` point into (at the optimizer
-  step; under DDP with ``gradient_as_bucket_view`` these are the communication buckets);
+- ``gradients``: the most bytes of gradient storages alive at once: the distinct storages the
+  parameters' ``.grad`` point into (all alive at the optimizer step; under DDP with
+  ``gradient_as_bucket_view`` these are the communication buckets) and, with ``train.
+  update_in_backward`` (`measure_step`'s `in_backward`), the engine's accumulators (full, or low
+  rank between GaLore's refreshes) and the gradients in flight (each fresh micro-batch gradient
+  and each final gradient), which are not ``.grad`` when the step ends: the measured peak
+  gradient bytes;
 - ``optimizer_state``: the distinct storages of the tensors in ``optimizer.state`` (equal to
   `optimizers.measured_state_bytes` when no state tensor is a view into a larger storage);
 - ``activations``: the largest total, at any moment, of storages that autograd saved for
   backward (`torch.autograd.graph.saved_tensors_hooks`), which is reached when backward starts;
 - ``peak``: the largest total of live tensor bytes during the step;
 - ``temporaries``: ``peak`` minus the four categories' bytes live at the moment of the peak;
-- ``phase_at_peak``: ``start``, ``forward`` (the loss included), ``backward`` (clipping included),
+- ``phase_at_peak``: ``start``, ``forward`` (the loss included), ``backward`` (clipping included,
+  and the optimizer's steps that run inside backward with ``train.update_in_backward``),
   ``optimizer_step`` or ``zero_grad`` (what follows the optimizer step);
 - ``at_peak``: the four categories' bytes live at the peak moment; ``step``; ``device``.
 
@@ -111,6 +117,9 @@ class _Registry:
         self.cats: dict[str, set[int]] = {c: set() for c in CATEGORIES}
         self.saved_live = 0
         self.saved_max = 0
+        self.grad_live = 0  # gradient storages alive now (weights excluded: they outrank them)
+        self.grad_max = 0
+        self.grad_phase_max: dict[str, int] = {}  # the largest grad_live seen in each phase
         self._fins: dict[int, weakref.finalize] = {}
 
     def id_of(self, st: torch.UntypedStorage, allocated: bool) -> int:
@@ -134,6 +143,8 @@ class _Registry:
         self.log.append((sid, -self.nbytes[sid], self.phase))
         if sid in self.cats["activations"] and self._plain(sid):
             self.saved_live -= self.nbytes[sid]
+        if sid in self.cats["gradients"] and sid not in self.cats["weights"]:
+            self.grad_live -= self.nbytes[sid]
 
     def _plain(self, sid: int) -> bool:
         """Not weights, gradients or optimizer state (which outrank activations)."""
@@ -142,8 +153,15 @@ class _Registry:
     def add(self, category: str, tensors: Iterable[Any], allocated: bool = False) -> None:
         for t in tensors:
             st = _storage(t)
-            if st is not None:
-                self.cats[category].add(self.id_of(st, allocated))
+            if st is None:
+                continue
+            sid = self.id_of(st, allocated)
+            if category == "gradients" and sid not in self.cats[category] and sid not in self.cats["weights"]:
+                self.grad_live += self.nbytes[sid]
+                self.grad_max = max(self.grad_max, self.grad_live)
+                top = self.grad_phase_max.get(self.phase, 0)
+                self.grad_phase_max[self.phase] = max(top, self.grad_live)
+            self.cats[category].add(sid)
 
     def saved(self, st: torch.UntypedStorage, allocated: bool) -> None:
         sid = self.id_of(st, allocated)
@@ -252,8 +270,11 @@ class _CudaPhases:
 class _Step:
     """The hooks of one measured step: phase changes and category collection."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: Any, device: torch.device) -> None:
+    def __init__(
+        self, model: torch.nn.Module, optimizer: Any, device: torch.device, in_backward: Any = None
+    ) -> None:
         self.model, self.opt, self.reg = model, _inner_optimizer(optimizer), _Registry()
+        self.inb = in_backward
         self.cuda = _CudaPhases(device, self._snapshot) if device.type == "cuda" else None
 
     def params(self) -> list[torch.Tensor]:
@@ -309,6 +330,7 @@ class _Step:
                 self.enter("backward")
             return t
 
+        watched = self._watch_in_backward()
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 yield
@@ -319,14 +341,53 @@ class _Step:
                     self.opt.__dict__.pop(name, None)
                 else:
                     setattr(self.opt, name, old)
+            for name in watched:
+                self.inb.__dict__.pop(name, None)
+
+    def _watch_in_backward(self) -> list[str]:
+        """With an `effpretrain.in_backward.InBackward`, classifies as gradients, when its hook
+        handles them, each fresh micro-batch gradient (``p.grad`` as the hook finds it), each
+        accumulator it keeps (full or low rank, `InBackward._acc`) and each final gradient: none
+        of them is ``.grad`` at a phase boundary. Wraps the instance's ``_accumulate`` and
+        ``_final_grad`` (removed on the way out); returns the wrapped names."""
+        inb = self.inb
+        if inb is None:
+            return []
+        names = ["_accumulate", "_final_grad"]
+        missing = [n for n in names if not callable(getattr(type(inb), n, None))]
+        if missing or not isinstance(getattr(inb, "_acc", None), dict):
+            raise TypeError(f"measure_step: {type(inb).__name__} has no {missing or ['_acc']}")
+        reg, allocated = self.reg, self.cuda is not None
+        accumulate, final_grad = inb._accumulate, inb._final_grad
+
+        def watched_accumulate(p: torch.Tensor) -> None:
+            reg.add("gradients", [p.grad], allocated)
+            accumulate(p)
+            held = inb._acc.get(id(p))
+            reg.add("gradients", [held[0]] if held is not None else [], allocated)
+
+        def watched_final_grad(p: torch.Tensor) -> torch.Tensor:
+            reg.add("gradients", [p.grad], allocated)
+            grad = final_grad(p)
+            reg.add("gradients", [grad], allocated)
+            return grad
+
+        inb._accumulate, inb._final_grad = watched_accumulate, watched_final_grad
+        return names
 
     def _entering(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)  # its signature too: Accelerate inspects zero_grad's parameters
         def call(*args: Any, **kwargs: Any) -> Any:
-            self.enter(phase)
+            if not _inside_backward():  # in-backward updates step inside the backward phase
+                self.enter(phase)
             return fn(*args, **kwargs)
 
         return call
+
+
+def _inside_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a hook's call)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _persistent_buffers(model: torch.nn.Module) -> Iterator[torch.Tensor]:
@@ -342,7 +403,13 @@ def _device(model: torch.nn.Module) -> torch.device:
     return _local(p).device if p is not None else torch.device("cpu")
 
 
-def measure_step(run_step: Callable[[], Any], model: torch.nn.Module, optimizer: Any, step: int = 0) -> dict:
+def measure_step(
+    run_step: Callable[[], Any],
+    model: torch.nn.Module,
+    optimizer: Any,
+    step: int = 0,
+    in_backward: Any = None,
+) -> dict:
     """Runs ``run_step()`` once under memory accounting and returns its breakdown (module
     docstring): weights, gradients, optimizer_state, activations, temporaries, peak (bytes),
     at_peak, phase_at_peak, step (`step`, as given) and device.
@@ -353,9 +420,11 @@ def measure_step(run_step: Callable[[], Any], model: torch.nn.Module, optimizer:
         optimizer: the optimizer it steps (Accelerate's wrapper is fine); its ``step`` and
             ``zero_grad`` mark the phases.
         step: the step number to record.
+        in_backward: the run's `effpretrain.in_backward.InBackward` (``train.update_in_backward``),
+            whose accumulators and gradients in flight then count as gradients.
     """
     device = _device(model)
-    rec = _Step(model, optimizer, device)
+    rec = _Step(model, optimizer, device, in_backward)
     meter = _Meter(rec.reg) if rec.cuda is None else contextlib.nullcontext()
     try:
         with rec.hooks(), meter:
@@ -373,7 +442,9 @@ def measure_run(cfg: Any, vocab_size: int, steps: int = 2, seed: int = 0) -> lis
     estimator plans it) and measures its first `steps` steps on one random batch, without data
     loading: one `measure_step` breakdown per step. Step 0 builds the optimizer state (and a
     projecting method's first basis: a refresh step); from step 1 the state exists before the
-    forward (the steady state). Tests and benchmarks/memory.py compare these with the estimate.
+    forward (the steady state). With ``train.update_in_backward`` the step runs as the trainer's
+    does (an `effpretrain.in_backward.InBackward` steps each parameter inside backward; its hooks
+    are removed before returning). Tests and benchmarks compare these with the estimate.
 
     Args:
         cfg: a loaded `effpretrain.config.Config`.
@@ -381,6 +452,7 @@ def measure_run(cfg: Any, vocab_size: int, steps: int = 2, seed: int = 0) -> lis
         steps: how many steps to run and measure.
         seed: seeds the batch's token ids (the bytes do not depend on them).
     """
+    from effpretrain.in_backward import InBackward
     from effpretrain.loss import token_loss_sum
     from effpretrain.memory import estimate_from_config
     from effpretrain.models import set_activation_checkpointing
@@ -394,23 +466,36 @@ def measure_run(cfg: Any, vocab_size: int, steps: int = 2, seed: int = 0) -> lis
     ids = torch.randint(0, vocab_size, (cfg.train.batch_size, cfg.data.seq_len), generator=gen)
     mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
 
+    inb = InBackward(model.parameters(), opt, cfg.train.grad_clip) if cfg.train.update_in_backward else None
+    K = cfg.train.grad_accum
+
     def step() -> None:
-        for _ in range(cfg.train.grad_accum):
+        for k in range(K):
+            if inb is not None:
+                inb.begin_micro(k, K)
             s, _ = token_loss_sum(
                 model, mb, packed=True, loss=cfg.train.loss, chunk_tokens=cfg.train.loss_chunk_tokens
             )
             s.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if inb is None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        else:
+            inb.finish()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return [measure_step(step, model, opt, k) for k in range(steps)]
+    try:
+        return [measure_step(step, model, opt, k, in_backward=inb) for k in range(steps)]
+    finally:
+        if inb is not None:
+            inb.remove()
 
 
 def _result(rec: _Step, step: int, device: torch.device) -> dict:
     reg = rec.reg
     owned = reg.owned()
     totals = {c: reg.bytes_of(owned[c]) for c in CATEGORIES[:3]}
+    totals["gradients"] = reg.grad_max  # at most every gradient storage's bytes (all alive at once)
     totals["activations"] = reg.saved_max
     if rec.cuda is None:
         peak, live, phase = _replay(reg)
@@ -421,6 +506,8 @@ def _result(rec: _Step, step: int, device: torch.device) -> dict:
             at_peak["activations"] = 0
     else:
         peak, phase, at_peak = rec.cuda.result()
+        # In-backward gradients live between the boundaries: the phase's largest, as an upper bound.
+        at_peak["gradients"] = max(at_peak["gradients"], reg.grad_phase_max.get(phase, 0))
     return {
         **totals,
         "temporaries": max(peak - sum(at_peak.values()), 0),

@@ -173,6 +173,7 @@ def build_summary(
     grad_bytes: int,
     vocab_size: int,
     sharding: str,
+    grad_bytes_source: str = "every_trainable_parameter",
     memory_records: list[list[dict[str, Any]]] | None = None,
     telemetry: dict[str, Any] | None = None,
     state_ranks: list[int] | None = None,
@@ -184,7 +185,11 @@ def build_summary(
         progress: the run's step, tokens and skipped steps.
         val: the final evaluation: its exact loss and perplexity (the headline), the target tokens
             and rows it covered, and the benchmark-convention perplexity (labelled as such).
-        grad_bytes: measured gradient bytes per rank.
+        grad_bytes: gradient bytes per rank, as `grad_bytes_source` says:
+            ``every_trainable_parameter`` (the gradients a normal step holds at its optimizer
+            step), or with ``train.update_in_backward`` ``measured_peak_in_backward`` (a measured
+            step's most gradient bytes alive at once: accumulators and gradients in flight) or
+            ``estimate_in_backward`` (the estimator's figure, when no first step was measured).
         sharding: "none", "ddp" or "fsdp2" as run.
         memory_records: per measured step, every rank's `memory_measure.measure_step` result
             (``memory_measured``, see `measured_memory`).
@@ -227,12 +232,14 @@ def build_summary(
         "optimizer_state_bytes": measured_state,
         "weight_bytes": weight_bytes,
         "grad_bytes": grad_bytes,
+        "grad_bytes_source": grad_bytes_source,
         "memory_measured": measured_memory(memory_records or []),
         "estimated": est.as_dict(),
         "optimizer_state_bytes_per_rank": state_ranks,
         "estimate_matches_measured": {
             "optimizer_state": est_ranks == state_ranks,
             "weights": est.weights == weight_bytes,
+            **_in_backward_gradient_check(est, memory_records),
         },
         "device": device_name(acc.device),
         "world_size": acc.num_processes,
@@ -244,6 +251,18 @@ def build_summary(
         "config_hash": config_hash(cfg),
         **(opt_telemetry(opt) if telemetry is None else telemetry),
     }
+
+
+def _in_backward_gradient_check(
+    est: memory.Estimate, records: list[list[dict[str, Any]]] | None
+) -> dict[str, bool]:
+    """With ``train.update_in_backward`` and measured steps: ``gradients_within_estimate``,
+    whether every rank's measured peak gradient bytes stay within the estimator's figure (at a
+    refresh step's, the larger, since the measured steps may include one). Empty otherwise."""
+    if not est.detail.get("update_in_backward") or not records:
+        return {}
+    bound = est.detail["grads_at_refresh"]
+    return {"gradients_within_estimate": all(m["gradients"] <= bound for step in records for m in step)}
 
 
 def measured_memory(records: list[list[dict[str, Any]]]) -> dict[str, Any] | None:

@@ -99,6 +99,7 @@ class Trainer:
         self.progress = Progress()
         self.opt_seconds = 0.0  # wall time inside optimizer.step() (events included), this process
         self.grad_bytes = 0  # measured per rank after the first step
+        self.grad_bytes_source = "every_trainable_parameter"  # what grad_bytes is (`_grad_bytes`)
         self.memory_steps = set(memory_steps(cfg))
         # One entry per measured step: the per-rank measurements (memory_measure.measure_step).
         self.memory_records: list[list[dict[str, Any]]] = []
@@ -312,7 +313,11 @@ class Trainer:
         """`_train_step` under `memory_measure.measure_step` (hooks on for this step only)."""
         box: dict[str, Any] = {}
         self._measured = memory_measure.measure_step(
-            lambda: box.setdefault("out", self._train_step()), self.model, self.inner_opt, step=step
+            lambda: box.setdefault("out", self._train_step()),
+            self.model,
+            self.inner_opt,
+            step=step,
+            in_backward=self.inb,
         )
         return box["out"]
 
@@ -461,6 +466,7 @@ class Trainer:
             val=last_val,
             clock=clock,
             grad_bytes=self.grad_bytes,
+            grad_bytes_source=self.grad_bytes_source,
             memory_records=self.memory_records,
             telemetry=self._telemetry(),
             state_ranks=self._gather_small(optimizers.measured_state_bytes(self.inner_opt)),
@@ -543,8 +549,20 @@ class Trainer:
         return self.acc.reduce(loss_sum, reduction="sum").item() / n_targets
 
     def _grad_bytes(self) -> int:
-        # Per rank: a sharded parameter's gradient is its local shard.
-        return sum(_local(q).numel() * q.element_size() for q in self.model.parameters() if q.requires_grad)
+        """Gradient bytes per rank (a sharded parameter's gradient is its local shard): every
+        trainable parameter's; with `train.update_in_backward`, where no moment holds them all,
+        this step's measured peak gradient bytes (accumulators and gradients in flight) if it was
+        measured, else the estimator's in-backward figure; `grad_bytes_source` says which."""
+        if self.inb is None:
+            self.grad_bytes_source = "every_trainable_parameter"
+            return sum(
+                _local(q).numel() * q.element_size() for q in self.model.parameters() if q.requires_grad
+            )
+        if self._measured is not None:
+            self.grad_bytes_source = "measured_peak_in_backward"
+            return int(self._measured["gradients"])
+        self.grad_bytes_source = "estimate_in_backward"
+        return memory.estimate_from_config(self.cfg, self.tok.vocab_size, self.world, self._sharding()).grads
 
     def evaluate(self) -> EvalResult:
         """Exact token-weighted validation loss over the fixed validation set (`train.eval_tokens`

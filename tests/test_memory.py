@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -497,3 +498,137 @@ def test_adam_mini_query_and_key_get_one_block_per_head():
     assert est.optimizer_state == want
     galore = optimizers.method_spec("galore")
     assert galore.head_block_group(64) == {} and spec.head_block_group(64) == {"block_rows": 64}
+
+
+# ----------------------------------------------------------------------------------------------
+# train.update_in_backward (issue 17): accumulators + gradients in flight.
+
+
+def _inb(method: str, k: int, **kw):
+    from effpretrain.config import OptimConfig
+
+    args = dict(dtype="fp32", optim_cfg=OptimConfig(name=method, rank=32), batch_size=2, seq_len=64)
+    args.update(kw)
+    return (
+        estimate("tiny", method, grad_accum=k, **args),
+        estimate("tiny", method, grad_accum=k, update_in_backward=True, **args),
+    )
+
+
+@pytest.mark.parametrize("method", ["adamw", "galore", "fira", "apollo", "adam_mini"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_in_backward_changes_only_the_gradient_terms(method, k):
+    """Weights, state and activations are the normal path's; so is every normal-path figure (the
+    flag's default is off), and ``grads_all_parameters`` is the normal path's gradient figure."""
+    normal, inb = _inb(method, k)
+    assert estimate("tiny", method, dtype="fp32", grad_accum=k, batch_size=2, seq_len=64).as_dict() == (
+        estimate(
+            "tiny", method, dtype="fp32", grad_accum=k, batch_size=2, seq_len=64, update_in_backward=False
+        ).as_dict()
+    )
+    assert "update_in_backward" not in normal.detail
+    for key in ("weights", "optimizer_state", "activations", "params", "trainable_params"):
+        assert getattr(inb, key) == getattr(normal, key)
+    assert inb.detail["update_in_backward"] is True
+    assert inb.detail["grads_all_parameters"] == normal.grads
+
+
+def test_in_backward_gradient_rule_by_hand():
+    """tiny (V 8192, h 128, untied embedding and head, the largest tensors: 4 V h bytes each).
+    K = 1: only the largest step unit's gradient, 4 V h. K = 4: every accumulator (all full for
+    AdamW) plus the largest gradient being produced."""
+    V, h = 8192, 128
+    largest = 4 * V * h
+    normal, inb = _inb("adamw", 1)
+    assert inb.grads == inb.detail["grads_in_flight"] == largest
+    assert inb.detail["grad_accumulators"] == 0
+    normal, inb = _inb("adamw", 4)
+    assert inb.detail["grad_accumulators"] == inb.detail["grad_accumulators_at_refresh"] == normal.grads
+    assert inb.grads == normal.grads + largest
+
+
+def test_in_backward_galore_accumulates_low_rank_between_refreshes():
+    """GaLore (PROJECTED_GRAD_ONLY, SVD basis): each projected m x n matrix accumulates
+    r x max(m, n) between refreshes; everything else full. At a refresh every projected matrix
+    keeps a full accumulator: the normal path's gradient bytes (the spike, its own moments)."""
+    from effpretrain.config import ATTN_MLP_TARGETS
+
+    r = 32
+    normal, inb = _inb("galore", 4)
+    want = sum(
+        4 * (r * max(s.shape) if s.linear in ATTN_MLP_TARGETS else math.prod(s.shape))
+        for s in model_param_shapes("tiny", None)
+    )
+    assert inb.detail["grad_accumulators"] == want < normal.grads
+    assert inb.detail["grad_accumulators_at_refresh"] == normal.grads
+    assert inb.detail["grads_at_refresh"] == normal.grads + inb.detail["grads_in_flight"]
+    # The refresh step's larger accumulators are part of the peak (its own moments)...
+    assert inb.detail["peak_moment"].startswith("refresh_")
+    assert inb.peak - inb.detail["peak_between_refreshes"] == normal.grads - want
+    # ...and K = 1 has no accumulators, so no spike.
+    _, one = _inb("galore", 1)
+    assert one.peak == one.detail["peak_between_refreshes"] and one.detail["grads_at_refresh"] == one.grads
+
+
+@pytest.mark.parametrize("method", ["fira", "apollo", "golore"])
+def test_in_backward_full_accumulators_where_the_class_reads_g(method):
+    """Fira and APOLLO read G itself (PROJECTED_GRAD_ONLY false), GoLore's basis is not a stored
+    SVD basis: full accumulators, read from the registry's class (no method-name rule)."""
+    normal, inb = _inb(method, 4)
+    cls = optimizers.method_spec(method).cls
+    assert cls.PROJECTED_GRAD_ONLY == (method == "golore")
+    assert inb.detail["grad_accumulators"] == normal.grads
+
+
+def test_in_backward_moments_hold_no_full_gradient_set():
+    """K = 1: no moment holds every gradient; the step's transient is inside backward (the block
+    moment carries the largest unit's), and the step after backward holds no gradient."""
+    from effpretrain import memory
+
+    normal, inb = _inb("adamw", 1, batch_size=1, seq_len=16)
+    assert normal.detail["peak_moment"] == "optimizer_step"
+    assert inb.detail["peak_moment"] != "optimizer_step"
+    assert inb.detail["peak_terms"].get("grads", 0) <= inb.grads < normal.grads
+    assert inb.peak < normal.peak
+    assert inb.detail["in_backward_step_transient"] > 0
+    table = memory.format_table(inb)
+    assert "updates in backward" in table and "accumulators" in table
+    assert "updates in backward" not in memory.format_table(normal)
+    # Each unit steps alone: the largest tensor's transient, not the foreach sum over all tensors.
+    spec = optimizers.method_spec("adamw")
+    assert inb.detail["in_backward_step_transient"] == spec.step_transient_bytes(
+        (8192, 128), {}, torch.float32
+    )
+    assert inb.detail["in_backward_step_transient"] < normal.detail["peak_terms"]["optimizer_transient"]
+
+
+def test_in_backward_fsdp2_accumulators_are_shards():
+    """Under FSDP2 (every micro-step reduce-scattered, assumed) each rank keeps full accumulators of
+    its shards: rank 0's gradient bytes; GaLore's low-rank accumulation does not apply to DTensors."""
+    for method in ("adamw", "galore"):
+        normal, inb = _inb(method, 4, world_size=2, sharding="fsdp2")
+        assert inb.detail["grad_accumulators"] == normal.grads
+        _, one = _inb(method, 4)
+        assert normal.grads < one.detail["grads_all_parameters"]
+
+
+def test_estimate_command_shows_the_in_backward_mode(capsys):
+    """``effpretrain estimate --update-in-backward`` (a minimal flag in effpretrain/cli.py): the
+    table names the mode and its gradient terms; the figures are the estimator's."""
+    from effpretrain import cli
+    from effpretrain.config import OptimConfig
+
+    args = ["estimate", "--model", "llama_60m", "--method", "galore", "--rank", "128", "--grad-accum", "4"]
+    assert cli.main([*args, "--update-in-backward"]) == 0
+    out = capsys.readouterr().out
+    assert "updates in backward" in out and "accumulators" in out and "at a refresh step" in out
+    want = estimate(
+        "llama_60m",
+        "galore",
+        optim_cfg=OptimConfig(name="galore", rank=128),
+        grad_accum=4,
+        update_in_backward=True,
+    )
+    assert f"({want.grads:,} B)" in out
+    assert cli.main(args) == 0
+    assert "updates in backward" not in capsys.readouterr().out
