@@ -77,6 +77,9 @@ def overrides(preset: str, method: str, k: int, in_backward: bool) -> list[str]:
         f"train.grad_accum={k}",
         f"train.update_in_backward={'true' if in_backward else 'false'}",
         "train.loss=standard",
+        # Clipping off, as the paper recipes of GaLore and the benchmark: low-rank accumulators
+        # are used only then (with clipping on every accumulator is full; effpretrain/in_backward.py).
+        "train.grad_clip=0",
     ]
     if optimizers.method_spec(cfg.optim.name).projects:
         over.append(f"optim.rank={rank}")

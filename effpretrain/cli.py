@@ -87,6 +87,12 @@ def _add_estimate(sub) -> None:
         action="store_true",
         help="as train.update_in_backward: gradients become accumulators + gradients in flight",
     )
+    e.add_argument(
+        "--grad-clip",
+        type=float,
+        default=TrainConfig.grad_clip,
+        help="as train.grad_clip (with --update-in-backward, 0 allows GaLore's low-rank accumulators)",
+    )
     e.add_argument("--loss", default=TrainConfig.loss, choices=list(get_args(LossKind)), help="as train.loss")
     e.add_argument("--world-size", type=int, default=1)
     e.add_argument("--sharding", default="none", choices=["none", "ddp", "fsdp2"])
@@ -231,6 +237,7 @@ def cmd_estimate(args) -> int:
         loss=args.loss,
         restarts=args.method.endswith("_restarts"),
         update_in_backward=args.update_in_backward,
+        grad_clip=args.grad_clip,
     )
     if factor != "none":
         est.detail["method"] = args.method

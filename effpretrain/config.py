@@ -298,8 +298,9 @@ class TrainConfig:
     update_in_backward: bool = False
     """Update each parameter inside backward as soon as its gradient is final, and free the
     gradient at once (`effpretrain.in_backward`): gradient memory falls from every gradient to the
-    accumulators (low rank for GaLore's matrices between refreshes) plus the gradients in flight.
-    Clipping then uses the previous step's norm (README: Updates in backward)."""
+    accumulators (low rank for GaLore's matrices between refreshes, with `train.grad_clip` 0)
+    plus the gradients in flight. Clipping then uses the previous step's norm (README: Updates in
+    backward)."""
     loss: Literal["standard", "chunked", "chunked_recompute"] = "chunked"
     """How the cross-entropy over the LM head is computed (same value and gradients):
     `standard` forms the (tokens x vocabulary) logits; `chunked` and `chunked_recompute`

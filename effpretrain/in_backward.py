@@ -12,7 +12,7 @@ One optimizer step of K micro-batches (`InBackward.begin_micro` before each back
 * micro-batches 1 .. K-1: each parameter's gradient G_k moves into an accumulator and
   ``p.grad`` is freed. The accumulator is low rank, R = sum_k proj(G_k) (r x max(m, n)), for a
   projected matrix whose method reads G only through R and whose basis will not refresh at this
-  step (`ProjectedAdam.accumulation_basis`); otherwise it is the full sum of the G_k (embeddings,
+  step (`ProjectedAdam.accumulation_basis`), when clipping is off (see Clipping); otherwise it is the full sum of the G_k (embeddings,
   head, norms, factors of a factorized model, Fira's and APOLLO's matrices, and every projected
   matrix at a refresh step: the bounded spike the estimator counts).
 * micro-batch K: the final gradient is G = acc + G_K, or back(R) + G_K for a low-rank accumulator
@@ -29,9 +29,13 @@ c_t = min(1, max_norm / (||G_{t-1}|| + 1e-6)), the coefficient of torch's clip_g
 applied with the previous step's global norm (fp64 sum of squares, rounded to fp32 as
 `fsdp.clip_grad_norm_`); the first step of a run is not clipped (c_1 = 1). The previous norm is
 saved in checkpoints, so a resumed run clips as the uninterrupted one. The logged gradient norm is
-this step's true global norm ||G_t|| (before clipping), the same number the normal path logs; for
-a low-rank accumulated matrix it is the norm of the gradient its step consumed,
-back(R) + G_K.
+this step's true global norm ||G_t|| (before clipping), the same number the normal path logs.
+Low-rank accumulators are used only with clipping off (``max_norm`` 0, GaLore's and the
+benchmark's own setting): the norm of a sum kept as R = sum_k proj(G_k) is not known (only that
+of the gradient its step consumes, back(R) + G_K), and under FSDP2 (full sharded accumulators) it
+is the whole gradient's, so with clipping on every accumulator is full and the clipping norm is
+the same number in one process, DDP and FSDP2. With clipping off the logged norm of a low-rank
+accumulated matrix is that of back(R) + G_K.
 
 Non-finite gradients: a parameter whose final gradient is not finite is not updated (its state is
 untouched) and counted in `InBackward.skipped`; the others are. The trainer treats a step in which
@@ -224,7 +228,8 @@ class InBackward:
         p.grad = None
         held = self._acc.get(key)
         if held is None:
-            target = getattr(self.opt, "accumulation_basis", None)
+            # Low rank only without clipping: the clipping norm must be the whole gradient's.
+            target = getattr(self.opt, "accumulation_basis", None) if self.max_norm <= 0 else None
             found = target(p, self._group[key]) if target is not None else None
             if found is None:
                 self._acc[key] = (g, None, "")  # autograd's fresh tensor becomes the accumulator

@@ -300,6 +300,7 @@ class _Tally:
     largest_grad: int = 0
     largest_unit: int = 0
     unit_transient: int = 0
+    low_rank_acc: bool = False  # low-rank accumulators allowed (one shard, clipping off)
 
     def __post_init__(self) -> None:
         self.state_ranks = [0] * self.shard
@@ -357,7 +358,7 @@ class _Tally:
         single-parameter step unit, its gradient; a low-rank accumulator's back-projection
         (one full-size temporary at the last micro-step) counts with the unit's step transient."""
         g = self.stored(shape)
-        low = lowrank_accumulator_bytes(self.method, shape, group, self.dtype) if self.shard == 1 else None
+        low = lowrank_accumulator_bytes(self.method, shape, group, self.dtype) if self.low_rank_acc else None
         self.acc_steady += g if low is None else low
         self.acc_refresh += g
         self.largest_grad = max(self.largest_grad, g)
@@ -822,6 +823,7 @@ def estimate(
     ddp_bucket_view: bool = True,
     data: int = 0,
     update_in_backward: bool = False,
+    grad_clip: float = 0.0,
 ) -> Estimate:
     """Analytic memory of training `preset` with optimizer `method` (see module docstring).
 
@@ -843,7 +845,9 @@ def estimate(
     ``peak_between_refreshes``. Under FSDP2 the accumulators are per-rank shards (assumed: the
     in-backward FSDP2 path reduce-scatters every micro-step, so no unsharded gradient is kept);
     under DDP no gradient bucket is counted (assumed: each final gradient is all-reduced on its
-    own in its hook, `InBackward`'s ``reduce``).
+    own in its hook, `InBackward`'s ``reduce``). Low-rank accumulators only with `grad_clip` 0
+    (``train.grad_clip``): with clipping on every accumulator is full, so that the clipping norm
+    is the whole gradient's in every launch mode (`effpretrain.in_backward`).
     """
     from effpretrain.config import OptimConfig
 
@@ -852,6 +856,7 @@ def estimate(
     mspec = optimizers.method_spec(method)
     shard = world_size if sharding == "fsdp2" else 1
     t = _Tally(mspec, prec.params, shard, whole_state=shard > 1 and mspec.fsdp2_whole_state)
+    t.low_rank_acc = shard == 1 and grad_clip <= 0
     factor = factor_spec(factor_kind) if factor_kind != "none" else None
     targets = list(factor_targets or ATTN_MLP_TARGETS)
     shapes = model_param_shapes(preset, vocab_size)
@@ -1022,6 +1027,7 @@ def _estimate_config(
         restarts=cfg.restarts.every > 0,
         data=data_bytes(cfg.data.shuffle_buffer, cfg.data.seq_len),
         update_in_backward=cfg.train.update_in_backward,
+        grad_clip=cfg.train.grad_clip,
     )
 
 
