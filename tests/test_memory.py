@@ -622,24 +622,18 @@ def test_estimate_command_shows_the_in_backward_mode(capsys):
     assert cli.main([*args, "--update-in-backward", "--grad-clip", "0"]) == 0
     out = capsys.readouterr().out
     assert "updates in backward" in out and "accumulators" in out and "at a refresh step" in out
-    want = estimate(
-        "llama_60m",
-        "galore",
-        optim_cfg=OptimConfig(name="galore", rank=128),
-        grad_accum=4,
-        update_in_backward=True,
-    )
+
+    def galore_60m(grad_clip: float):
+        cfg = OptimConfig(name="galore", rank=128)
+        return estimate(
+            "llama_60m", "galore", optim_cfg=cfg, grad_accum=4, update_in_backward=True, grad_clip=grad_clip
+        )
+
+    want = galore_60m(0.0)
     assert f"({want.grads:,} B)" in out
     # train.grad_clip's default (1.0): clipping on, so every accumulator is full (more bytes).
     assert cli.main([*args, "--update-in-backward"]) == 0
-    clipped = estimate(
-        "llama_60m",
-        "galore",
-        optim_cfg=OptimConfig(name="galore", rank=128),
-        grad_accum=4,
-        update_in_backward=True,
-        grad_clip=1.0,
-    )
+    clipped = galore_60m(1.0)
     assert clipped.grads > want.grads and f"({clipped.grads:,} B)" in capsys.readouterr().out
     assert cli.main(args) == 0
     assert "updates in backward" not in capsys.readouterr().out

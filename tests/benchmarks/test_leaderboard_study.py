@@ -3,7 +3,6 @@ budget floors, timing, serial cost, parallel runs and resuming from results.json
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import shutil
@@ -12,20 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+from test_leaderboard import _load_leaderboard  # the one loader of the script
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load_leaderboard():
-    # benchmarks/ is a folder of scripts, not an installed package: load the file itself (once).
-    name = "effpretrain_benchmarks_leaderboard"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "leaderboard.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 lb = _load_leaderboard()
