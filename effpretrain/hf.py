@@ -408,6 +408,8 @@ def estimate_memory(
     batch_size: int = 1,
     seq_len: int | None = None,
     activation_checkpointing: int = 0,
+    grad_accum: int = 1,
+    grad_clip: float = 0.0,
 ) -> memory.Estimate:
     """The analytic memory estimate for training `model` with `optimizer`, in bytes (one process).
 
@@ -426,6 +428,11 @@ def estimate_memory(
         batch_size: sequences per process per micro-step.
         seq_len: tokens per sequence; None leaves activations out.
         activation_checkpointing: checkpoint every k-th decoder layer (0: off).
+        grad_accum: micro-batches per update (held gradients; in backward: the accumulators).
+        grad_clip: the clipping threshold (in backward, 0 allows GaLore's low-rank accumulators).
+
+    An optimizer from ``create_optimizer(..., update_in_backward=True)`` gets the in-backward
+    gradient terms (preset models; `effpretrain.memory.estimate`).
     """
     cfg = _config_of(optimizer)
     method = _method_of(optimizer)
@@ -445,6 +452,9 @@ def estimate_memory(
             batch_size=batch_size,
             seq_len=seq_len or 1,
             activation_checkpointing=activation_checkpointing,
+            grad_accum=grad_accum,
+            update_in_backward=_engine_of(optimizer) is not None,
+            grad_clip=grad_clip,
         )
         est.detail["source"] = f"preset:{preset}"
         if seq_len is None:
@@ -692,6 +702,8 @@ class EffPretrainCallback(TrainerCallback, ExportableState):
                 batch_size=args.per_device_train_batch_size,
                 seq_len=self.seq_len or _seq_len_of(train_dataloader),
                 activation_checkpointing=1 if args.gradient_checkpointing else 0,
+                grad_accum=args.gradient_accumulation_steps,
+                grad_clip=float(args.max_grad_norm or 0.0),
             )
         self._estimate_logged = False
 

@@ -424,6 +424,25 @@ def test_estimate_for_a_preset_model_is_effpretrains_and_matches_measured(method
     assert est.activations > 0
 
 
+def test_estimate_knows_updates_in_backward():
+    """An optimizer from create_optimizer(update_in_backward=True) is estimated with the
+    in-backward gradient terms (accumulators + gradients in flight), as the trainer's config is."""
+    model = build_model("tiny", vocab_size=256, max_positions=SEQ)
+    kw = {"num_training_steps": 4, "lr": 1e-3, "rank": 16}
+    normal = hf.estimate_memory(
+        model, hf.create_optimizer(model, "galore", **kw)[0], batch_size=BATCH, seq_len=SEQ
+    )
+    opt, _ = hf.create_optimizer(model, "galore", update_in_backward=True, **kw)
+    est = hf.estimate_memory(model, opt, batch_size=BATCH, seq_len=SEQ, grad_accum=2, grad_clip=0.0)
+    cfg = hf.build_run_config(model, "galore", update_in_backward=True, **kw)
+    cfg.train.batch_size, cfg.data.seq_len, cfg.train.grad_accum, cfg.train.grad_clip = BATCH, SEQ, 2, 0.0
+    cfg.train.loss, cfg.data.shuffle_buffer = "standard", 0
+    assert est.as_dict() == {**memory.estimate_from_config(cfg, 256).as_dict(), "source": "preset:tiny"}
+    assert est.detail["update_in_backward"] and "update_in_backward" not in normal.detail
+    one = hf.estimate_memory(model, opt, batch_size=BATCH, seq_len=SEQ)
+    assert one.grads < normal.grads  # K = 1: only the gradients in flight
+
+
 # ----------------------------------------------------------------------------------------------
 # The README example
 
