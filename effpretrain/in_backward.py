@@ -12,9 +12,10 @@ One optimizer step of K micro-batches (`InBackward.begin_micro` before each back
 * micro-batches 1 .. K-1: each parameter's gradient G_k moves into an accumulator and
   ``p.grad`` is freed. The accumulator is low rank, R = sum_k proj(G_k) (r x max(m, n)), for a
   projected matrix whose method reads G only through R and whose basis will not refresh at this
-  step (`ProjectedAdam.accumulation_basis`), when clipping is off (see Clipping); otherwise it is the full sum of the G_k (embeddings,
-  head, norms, factors of a factorized model, Fira's and APOLLO's matrices, and every projected
-  matrix at a refresh step: the bounded spike the estimator counts).
+  step (`ProjectedAdam.accumulation_basis`), when clipping is off (see Clipping); otherwise it is
+  the full sum of the G_k (embeddings, head, norms, factors of a factorized model, Fira's and
+  APOLLO's matrices, every projected matrix at a refresh step: the bounded spike the estimator
+  counts, and every matrix when clipping is on).
 * micro-batch K: the final gradient is G = acc + G_K, or back(R) + G_K for a low-rank accumulator
   (the step projects it again: proj(back(R) + G_K) = R + proj(G_K) up to rounding, as
   P^T P = I); it is all-reduced when a reduction is given (DDP), clipped (below), its squared
@@ -62,10 +63,10 @@ Several processes (the trainer sets these up; `Trainer._set_up_in_backward`):
   over the ranks in its hook (one scalar all-reduce), so every rank sees the whole gradient's
   norm and takes the same skip decision (a rank skipping a collective step alone would hang).
 * The clip coefficient, the logged norm and the skip decision are the same numbers on every rank
-  and in every launch mode, except the logged (and clipping) norm of a low-rank accumulated
-  matrix, ||back(R) + G_K||, which depends on how the step's micro-batches are split: one process
-  with K micro-batches of B N rows and N DDP ranks with K of B each agree; FSDP2 (full
-  accumulators) logs the whole gradient's norm instead. Without clipping the weights agree.
+  and in every launch mode. The one exception needs clipping off (no coefficient then): the
+  logged norm of a low-rank accumulated matrix, ||back(R) + G_K||, depends on how the step's
+  micro-batches are split (one process with K micro-batches of B N rows and N DDP ranks with K of
+  B each agree; FSDP2, with full accumulators, logs the whole gradient's norm); the weights agree.
 
 Bytes (per rank; s_g the gradient itemsize): the accumulators, sum over parameters of
 s_g r max(m, n) (low rank) or s_g numel (full) while K > 1, plus the gradients in flight: the
