@@ -2,15 +2,16 @@
 
 The committed CPU study (benchmarks/results/tiny-cpu-study/) is this command:
 
-    python benchmarks/leaderboard.py --grid tiny --sweep lr=x0.5,x1,x2 --seeds 0,1,2 --jobs 2 \
+    python benchmarks/leaderboard.py --grid tiny --sweep lr=x0.25,x0.5,x1,x2,x4 --seeds 0,1,2 --jobs 2 \
         --out benchmarks/results/tiny-cpu-study
 
 ``--grid tiny`` is every ``recipes/tiny/*.yaml`` at 2,048 tokens per step (``data.seq_len=128``,
 ``train.batch_size=16``) and, by default, 1,048,576 tokens per final run (512 steps); the sweep
-trains each method at 0.5x, 1x and 2x its recipe's lr for a quarter of that (128 steps, seed 0),
-then three seeds at the best lr. That is 26 x 3 sweep runs (20.4M tokens) and 26 x 3 final runs
-(81.8M tokens): at about 5,000 tokens/s for the tiny preset on a 2-core CPU, about 5.7 hours,
-plus about 1.3 hours for Muon (about 700 tokens/s on CPU) and less for SWAN. The plan's token
+trains each method at 0.25x, 0.5x, 1x, 2x and 4x its recipe's lr for a quarter of that (128
+steps, seed 0), then three seeds at the best lr. That is 26 x 5 sweep runs (34.1M tokens) and
+26 x 3 final runs (81.8M tokens): at about 7,500 tokens/s for two tiny runs at once on a 2-core
+CPU, about 4.5 hours, plus about an hour for Muon's Newton-Schulz iterations. (A 3-point grid,
+x0.5,x1,x2, left the best lr at an edge for most methods.) The plan's token
 count is printed first. The same table at 60M on a GPU (the benchmark's 11,000 steps of 131,072
 tokens; the sweep at a quarter of it):
 
