@@ -23,6 +23,8 @@ Other forms:
         [--methods adamw,galore] [--recipes recipes/tiny/adamw.yaml ...] [--set key=value ...]
         [--sweep lr=x0.25,x0.5,x1,x2,x4 | lr=1e-3,3e-3] [--sweep-tokens N] [--sweep-seed K] [--jobs N]
     python benchmarks/leaderboard.py --out DIR          # re-collect and re-render what DIR holds
+    python benchmarks/leaderboard.py --out benchmarks/results/tiny-cpu-study --readme README.md
+                                                        # also regenerate README.md's excerpt
     python benchmarks/leaderboard.py --paper            # estimator vs the paper's memory table
 
 Each recipe runs once per seed, as ``DIR/runs/<method>-<model>-seed<k>/``, with
@@ -69,6 +71,10 @@ optimizer telemetry, evaluation and restart seconds and the validation curve), `
 (a pure function of those rows) and three plots of the final runs: ``memory_vs_ppl.png`` (with the
 Pareto front), ``val_curves.png`` (every method's validation curve, mean over seeds) and
 ``memory_breakdown.png``.
+
+``--readme FILE`` rewrites the text between FILE's ``<!-- leaderboard:start -->`` and
+``<!-- leaderboard:end -->`` markers with `readme_summary` of the rows (per model the top final
+runs, then every claim's verdict): the README's leaderboard excerpt is generated, not edited.
 
 Exit codes: 0 all runs finished; 1 some run failed (recorded in the results); 2 bad input.
 """
@@ -1751,6 +1757,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     ap.add_argument(
+        "--readme",
+        type=Path,
+        help="also rewrite the text between this markdown file's '<!-- leaderboard:start -->' and"
+        " '<!-- leaderboard:end -->' markers with the top rows and the claims (README.md)",
+    )
+    ap.add_argument(
         "--paper",
         action="store_true",
         help="print the estimator-vs-published memory table of the paper recipes (markdown) and exit",
@@ -1765,7 +1777,13 @@ def _int_list(text: str, flag: str) -> list[int]:
         raise BadInput(f"{flag}: expected comma-separated integers, got {text!r}") from None
 
 
-def _render_only(out: Path, plots: bool) -> int:
+def _readme(args: argparse.Namespace, rows: Sequence[dict[str, Any]]) -> None:
+    if args.readme is not None:
+        changed = update_readme(args.readme, rows, _display_path(args.out))
+        print(f"leaderboard: {'updated' if changed else 'unchanged'}: {args.readme}'s leaderboard section")
+
+
+def _render_only(out: Path, plots: bool) -> list[dict[str, Any]]:
     """Re-collects DIR/runs (beside the rows of DIR/results.jsonl) or reads the results alone."""
     previous = read_jsonl(out / "results.jsonl") if (out / "results.jsonl").is_file() else []
     if not (out / "runs").is_dir() and not previous:
@@ -1774,7 +1792,7 @@ def _render_only(out: Path, plots: bool) -> int:
     rows = gather_rows(out, names, previous)
     publish(rows, out, plots=plots)
     print(f"leaderboard: rendered {len(rows)} rows into {out / 'LEADERBOARD.md'}")
-    return 0
+    return rows
 
 
 def _recipes_of(args: argparse.Namespace) -> list[Path]:
@@ -1796,8 +1814,11 @@ def main(argv: Sequence[str] | None = None, runner: Runner | None = None) -> int
     if args.out is None:
         raise BadInput("--out DIR is required (or use --paper)")
     out: Path = args.out
+    if args.readme is not None:
+        readme_span(args.readme)  # checked before anything trains
     if not args.grid and not args.recipes:
-        return _render_only(out, plots=not args.no_plots)
+        _readme(args, _render_only(out, plots=not args.no_plots))
+        return 0
     tokens = args.tokens if args.tokens is not None else GRID_TOKENS.get(args.grid or "")
     if tokens is None:
         raise BadInput("--tokens BUDGET is required to run a grid")
@@ -1853,6 +1874,7 @@ def main(argv: Sequence[str] | None = None, runner: Runner | None = None) -> int
     rows = gather_rows(out, names, previous)
     publish(rows, out, plots=not args.no_plots)
     print(f"leaderboard: wrote {out / 'results.jsonl'} and {out / 'LEADERBOARD.md'}")
+    _readme(args, rows)
     print(render_table_only(rows))
     return 1 if failed else 0
 
@@ -1881,6 +1903,89 @@ def paper_report(recipes_root: Path | None = None) -> str:
             paper.format_paper_table(rows, paper.skipped_methods()),
         ]
     )
+
+
+README_START = "<!-- leaderboard:start"
+README_END = "<!-- leaderboard:end -->"
+
+
+def readme_summary(rows: Sequence[dict[str, Any]], source: str, top: int = 10) -> str:
+    """The README's leaderboard excerpt, a pure function of the rows: per model the `top` final
+    runs (rank, method, lr, perplexity over seeds, difference from the baseline, measured peak
+    tensor memory and optimizer state) and every claim's verdict with its numbers.
+
+    Args:
+        rows: results.jsonl rows.
+        source: the folder the rows come from, as the excerpt names it (a relative path).
+        top: how many ranked methods to show per model.
+    """
+    ok = [r for r in rows if _is_ok(r)]
+    final = [r for r in ok if _phase(r) == "final"]
+    commits = sorted({r.get("git_commit") or "unknown" for r in ok})
+    hardware = sorted({r.get("hardware") or "unknown" for r in ok})
+    out = [
+        f"Generated from `{source}/results.jsonl` by `benchmarks/leaderboard.py --out {source}"
+        f" --readme README.md` ({len(final)} final and {len(ok) - len(final)} sweep runs; hardware:"
+        f" {'; '.join(hardware) or '-'}; commits: {', '.join(commits) or '-'}). The full table, the"
+        f" sweep and the budgets are in `{source}/LEADERBOARD.md`.",
+        "",
+    ]
+    groups = _groups(ok)
+    if not groups:
+        out += ["No final run has finished yet: the study is still in its learning-rate sweep.", ""]
+    for model, gs in groups.items():
+        base = next((g for g in gs if g.method == BASELINE), None)
+        shown = gs[:top]
+        out += [
+            f"**{model}**: the {len(shown)} best of {len(gs)} methods by mean validation perplexity.",
+            "",
+            f"| # | method | lr | val ppl | vs {BASELINE} | peak tensor memory | optimizer state |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for rank, g in enumerate(shown, 1):
+            lrs = sorted({r["lr"] for r in g.rows if r.get("lr") is not None})
+            cells = [
+                str(rank),
+                g.method,
+                ", ".join(fmt_lr(lr) for lr in lrs) or "-",
+                g.ppl_text(),
+                _versus_cell(g, base),
+                fmt_bytes(g.mean("measured", "peak")),
+                fmt_bytes(g.mean("measured", "optimizer_state")),
+            ]
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    claims = evaluate_claims(ok)
+    if claims:
+        out += [f"The benchmark's claims ({NOISE_RULE}):", "", "| model | claim | verdict | numbers |"]
+        out.append("|---|---|---|---|")
+        out += [f"| {c['model']} | {c['statement']} | **{c['verdict']}** | {c['evidence']} |" for c in claims]
+        out.append("")
+    return "\n".join(out)
+
+
+def readme_span(readme: Path) -> tuple[int, int]:
+    """(start, end) offsets of the text between the leaderboard markers of `readme`; bad input when
+    the file or a marker is missing."""
+    if not readme.is_file():
+        raise BadInput(f"--readme: {readme} not found")
+    text = readme.read_text()
+    start = text.find(README_START)
+    end = text.find(README_END, start + 1) if start >= 0 else -1
+    if start < 0 or end < 0 or "\n" not in text[start:end]:
+        raise BadInput(f"--readme: {readme} lacks the markers '{README_START} -->' and '{README_END}'")
+    return text.index("\n", start) + 1, end
+
+
+def update_readme(readme: Path, rows: Sequence[dict[str, Any]], source: str) -> bool:
+    """Replaces the text between the README's leaderboard markers with `readme_summary`; returns
+    whether the file changed. Missing markers are bad input (nothing is written)."""
+    text = readme.read_text() if readme.is_file() else ""
+    body_at, end = readme_span(readme)
+    new = text[:body_at] + readme_summary(rows, source) + text[end:]
+    if new != text:
+        readme.write_text(new)
+    return new != text
 
 
 def render_table_only(rows: Sequence[dict[str, Any]]) -> str:

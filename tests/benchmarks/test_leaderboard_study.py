@@ -479,3 +479,51 @@ def test_jobs_sigterm_stops_every_running_run_and_starts_no_more(tmp_path, monke
     assert not (runs / specs[2].name).exists()  # never started
     assert not any((runs / s.name / lb.ERROR_FILE).exists() for s in specs[:2])  # not failures
     assert sum("interrupted; run the same command again" in line for line in lines) == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# The README's excerpt: generated from the committed results, never edited by hand
+
+
+def test_readme_excerpt_is_what_the_committed_study_renders():
+    """The README's leaderboard section is `readme_summary` of the committed results.jsonl."""
+    readme = ROOT / "README.md"
+    start, end = lb.readme_span(readme)
+    study = ROOT / "benchmarks" / "results" / "tiny-cpu-study"
+    want = lb.readme_summary(lb.read_jsonl(study / "results.jsonl"), "benchmarks/results/tiny-cpu-study")
+    assert readme.read_text()[start:end] == want, (
+        "README.md's leaderboard excerpt is out of date: run\n"
+        "  python benchmarks/leaderboard.py --out benchmarks/results/tiny-cpu-study --readme README.md"
+    )
+
+
+def test_readme_excerpt_ranks_top_rows_and_states_every_claim(tmp_path):
+    rows = _seeds("adamw", [100.0, 102.0]) + _seeds("galore", [110.0, 112.0], rank=32)
+    rows += _seeds("fira", [105.0, 107.0], rank=32) + [_row("apollo", 0, 1.0, phase="sweep", lr=1e-2)]
+    text = lb.readme_summary(rows, "runs/x", top=2)
+    assert "the 2 best of 3 methods" in text and "(6 final and 1 sweep runs;" in text
+    lines = [line for line in text.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert [line.split(" | ")[1] for line in lines] == ["adamw", "fira"]  # galore is 3rd: not shown
+    for c in lb.evaluate_claims(rows):
+        assert f"| {c['statement']} | **{c['verdict']}** | {c['evidence']} |" in text
+
+    readme = tmp_path / "README.md"
+    readme.write_text(
+        "# x\n\n<!-- leaderboard:start (generated) -->\nold text\n<!-- leaderboard:end -->\ntail\n"
+    )
+    assert lb.update_readme(readme, rows, "runs/x")
+    got, full = readme.read_text(), lb.readme_summary(rows, "runs/x")  # the default top 10: all 3
+    assert "the 3 best of 3 methods" in full
+    assert got == f"# x\n\n<!-- leaderboard:start (generated) -->\n{full}<!-- leaderboard:end -->\ntail\n"
+    assert not lb.update_readme(readme, rows, "runs/x")  # the same rows: unchanged
+    assert "No final run has finished yet" in lb.readme_summary(rows[-1:], "runs/x")
+
+
+def test_readme_without_markers_is_refused_before_anything_runs(tmp_path, capsys):
+    readme = tmp_path / "README.md"
+    readme.write_text("# no markers\n")
+    with pytest.raises(lb.BadInput, match="lacks the markers"):
+        lb.main(["--out", str(tmp_path / "out"), "--grid", "tiny", "--readme", str(readme)])
+    assert not (tmp_path / "out").exists() and readme.read_text() == "# no markers\n"
+    with pytest.raises(lb.BadInput, match="not found"):
+        lb.main(["--out", str(tmp_path / "out"), "--readme", str(tmp_path / "missing.md")])
