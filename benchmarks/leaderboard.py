@@ -1472,6 +1472,18 @@ def _header(
     return out + [""]
 
 
+def _ranked_cells(rank: int, g: _Group, base: _Group | None) -> list[str]:
+    """The first cells of a ranked row: rank, method, lr(s), perplexity over seeds, vs baseline."""
+    lrs = sorted({r["lr"] for r in g.rows if r.get("lr") is not None})
+    return [
+        str(rank),
+        g.method,
+        ", ".join(fmt_lr(lr) for lr in lrs) or "-",
+        g.ppl_text(),
+        _versus_cell(g, base),
+    ]
+
+
 def _model_table(model: str, groups: Sequence[_Group], baseline: str) -> list[str]:
     base = next((g for g in groups if g.method == baseline), None)
 
@@ -1494,13 +1506,8 @@ def _model_table(model: str, groups: Sequence[_Group], baseline: str) -> list[st
     )
     out.append("|" + "---|" * 14)
     for rank, g in enumerate(groups, 1):
-        lrs = sorted({r["lr"] for r in g.rows if r.get("lr") is not None})
         cells = [
-            str(rank),
-            g.method,
-            ", ".join(fmt_lr(lr) for lr in lrs) or "-",
-            g.ppl_text(),
-            _versus_cell(g, base),
+            *_ranked_cells(rank, g, base),
             rel(g, "measured", "peak"),
             rel(g, "measured", "optimizer_state"),
             " / ".join(fmt_bytes(g.mean("measured", k)) for k in MEASURED_KEYS[:2] + MEASURED_KEYS[3:5]),
@@ -1943,13 +1950,8 @@ def readme_summary(rows: Sequence[dict[str, Any]], source: str, top: int = 10) -
             "|---|---|---|---|---|---|---|",
         ]
         for rank, g in enumerate(shown, 1):
-            lrs = sorted({r["lr"] for r in g.rows if r.get("lr") is not None})
             cells = [
-                str(rank),
-                g.method,
-                ", ".join(fmt_lr(lr) for lr in lrs) or "-",
-                g.ppl_text(),
-                _versus_cell(g, base),
+                *_ranked_cells(rank, g, base),
                 fmt_bytes(g.mean("measured", "peak")),
                 fmt_bytes(g.mean("measured", "optimizer_state")),
             ]
