@@ -1348,8 +1348,12 @@ def _claims_section(rows: Sequence[dict[str, Any]]) -> list[str]:
         "| model | claim | verdict | numbers |",
         "|---|---|---|---|",
     ]
-    out += [f"| {c['model']} | {c['statement']} | **{c['verdict']}** | {c['evidence']} |" for c in results]
-    return out + [""]
+    return out + _claim_rows(results) + [""]
+
+
+def _claim_rows(claims: Sequence[dict[str, str]]) -> list[str]:
+    """One table row per `evaluate_claims` result: model, statement, verdict, evidence."""
+    return [f"| {c['model']} | {c['statement']} | **{c['verdict']}** | {c['evidence']} |" for c in claims]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1961,8 +1965,7 @@ def readme_summary(rows: Sequence[dict[str, Any]], source: str, top: int = 10) -
     if claims:
         out += [f"The benchmark's claims ({NOISE_RULE}):", "", "| model | claim | verdict | numbers |"]
         out.append("|---|---|---|---|")
-        out += [f"| {c['model']} | {c['statement']} | **{c['verdict']}** | {c['evidence']} |" for c in claims]
-        out.append("")
+        out += [*_claim_rows(claims), ""]
     return "\n".join(out)
 
 
@@ -1982,8 +1985,8 @@ def readme_span(readme: Path) -> tuple[int, int]:
 def update_readme(readme: Path, rows: Sequence[dict[str, Any]], source: str) -> bool:
     """Replaces the text between the README's leaderboard markers with `readme_summary`; returns
     whether the file changed. Missing markers are bad input (nothing is written)."""
-    text = readme.read_text() if readme.is_file() else ""
     body_at, end = readme_span(readme)
+    text = readme.read_text()
     new = text[:body_at] + readme_summary(rows, source) + text[end:]
     if new != text:
         readme.write_text(new)
