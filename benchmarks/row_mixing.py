@@ -12,6 +12,12 @@ with the mixed run's final weights, the per-row mean losses of 1,024 rows drawn 
 a standard deviation s, and a step that averages B independent rows cannot vary less than
 ``s / sqrt(B)``. A step-loss std near that floor is as mixed as a batch of B rows can be.
 
+The ``fixed_model`` section asks how much mixing can lower the step-loss noise at all, free of the
+training trend: the mixed run's final model scores ``FIXED_ROWS`` consecutive rows of the
+document-order stream, and for B rows per step it compares the spread of the means of consecutive
+blocks of B rows (a document-order batch) with the spread of the means of B rows drawn at random
+from the same rows (a mixed batch). Their ratio is the most mixing can give at that batch size.
+
 Writes ``benchmarks/results/row_mixing.json`` (the runs' commit, the machine, the figures). The two
 runs take about 10 minutes together on 2 CPU cores (one thread each, in parallel).
 
@@ -23,6 +29,7 @@ runs take about 10 minutes together on 2 CPU cores (one thread each, in parallel
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -34,11 +41,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from effpretrain.reporting import cpu_description
+from effpretrain.reporting import cpu_description, git_commit
 
 RUNS = {"order": ["--set", "data.shuffle_buffer=0"], "mixed": []}
 WINDOW = 100
 FLOOR_ROWS = 1024
+FIXED_ROWS = 8192
+FIXED_BATCHES = (16, 64, 256)
+DRAWS = 8
 
 
 def train_both(work: Path) -> dict[str, Path]:
@@ -74,26 +84,60 @@ def loss_noise(run: Path) -> dict[str, float]:
     }
 
 
-def iid_floor(run: Path) -> dict[str, float]:
-    """std of per-row mean losses of the final model on fresh rows, and that / sqrt(rows per step)."""
+def final_trainer(run: Path):
+    """The run's trainer, resumed from its last checkpoint (model weights and stream position)."""
     from effpretrain.config import load_config
     from effpretrain.trainer import Trainer
 
     ckpt = sorted((run / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[-1]
     cfg = load_config(str(ckpt / "config.yaml"))
-    trainer = Trainer(cfg, Path(tempfile.mkdtemp()) / "floor", resume=str(ckpt))
-    model = trainer.model.eval()
-    rows = trainer.stream.next_rows(FLOOR_ROWS)["input_ids"]
+    return Trainer(cfg, Path(tempfile.mkdtemp()) / "floor", resume=str(ckpt))
+
+
+def row_losses(model: torch.nn.Module, rows: torch.Tensor) -> list[float]:
+    """Each row's mean next-token loss under `model`."""
     per_row = []
     with torch.no_grad():
-        for i in range(0, FLOOR_ROWS, 64):
+        for i in range(0, rows.size(0), 64):
             ids = rows[i : i + 64]
             logits = model(input_ids=ids).logits[:, :-1].float()
             loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
             per_row += loss.view(ids.size(0), -1).mean(1).tolist()
-    per_step = cfg.train.batch_size * cfg.train.grad_accum
+    return per_row
+
+
+def iid_floor(trainer) -> dict[str, float]:
+    """std of per-row mean losses of the final model on fresh rows, and that / sqrt(rows per step)."""
+    per_row = row_losses(trainer.model.eval(), trainer.stream.next_rows(FLOOR_ROWS)["input_ids"])
+    per_step = trainer.cfg.train.batch_size * trainer.cfg.train.grad_accum
     spread = statistics.stdev(per_row)
     return {"row_loss_std": spread, "rows_per_step": per_step, "iid_step_std_floor": spread / per_step**0.5}
+
+
+def block_spread(losses: list[float], rows: int) -> float:
+    """std of the means of consecutive, non-overlapping blocks of `rows` losses."""
+    means = [statistics.fmean(losses[i : i + rows]) for i in range(0, len(losses) - rows + 1, rows)]
+    return statistics.stdev(means)
+
+
+def fixed_model(trainer) -> dict:
+    """Step-loss spread of document-order vs mixed batches under one fixed model (no trend)."""
+    from effpretrain.data import TokenStream
+
+    cfg = trainer.cfg.data
+    order = TokenStream.from_config(trainer.corpus, trainer.tok, dataclasses.replace(cfg, shuffle_buffer=0))
+    print(f"[row_mixing] scoring {FIXED_ROWS} document-order rows with the final model", file=sys.stderr)
+    losses = row_losses(trainer.model.eval(), order.next_rows(FIXED_ROWS)["input_ids"])
+    gen = torch.Generator().manual_seed(0)
+    out = {"rows": FIXED_ROWS, "row_loss_std": statistics.stdev(losses), "batches": {}}
+    for b in FIXED_BATCHES:
+        mixed = []
+        for _ in range(DRAWS):
+            perm = torch.randperm(len(losses), generator=gen).tolist()
+            mixed.append(block_spread([losses[i] for i in perm], b))
+        o, m = block_spread(losses, b), statistics.fmean(mixed)
+        out["batches"][str(b)] = {"order_std": o, "mixed_std": m, "ratio": m / o}
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -107,10 +151,13 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         dirs = train_both(args.work or Path(tempfile.mkdtemp(prefix="row_mixing-")))
     result = {name: loss_noise(path) for name, path in dirs.items()}
-    result["floor"] = iid_floor(dirs["mixed"])
+    trainer = final_trainer(dirs["mixed"])
+    result["floor"] = iid_floor(trainer)
+    result["fixed_model"] = fixed_model(trainer)
     o, m = result["order"], result["mixed"]
     result["loss_std_ratio"] = m["loss_std"] / o["loss_std"]
     result["machine"] = cpu_description()
+    result["analysis_commit"] = git_commit()  # the floor and fixed-model figures
     for name in RUNS:
         r = result[name]
         print(
@@ -122,6 +169,12 @@ def main(argv: list[str] | None = None) -> dict:
         f"i.i.d. floor of the step-loss std: {f['row_loss_std']:.3f} / sqrt({f['rows_per_step']})"
         f" = {f['iid_step_std_floor']:.3f}; mixed / order loss std = {result['loss_std_ratio']:.3f}"
     )
+    fm = result["fixed_model"]
+    print(f"fixed final model, {fm['rows']} document-order rows (row loss std {fm['row_loss_std']:.3f}):")
+    for b, r in fm["batches"].items():
+        print(
+            f"  {b:>4} rows/step: order {r['order_std']:.3f}  mixed {r['mixed_std']:.3f}  ratio {r['ratio']:.3f}"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     return result
