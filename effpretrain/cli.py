@@ -67,7 +67,8 @@ def _add_estimate(sub) -> None:
     e.add_argument(
         "--method",
         default="adamw",
-        help="optimizer (adamw, galore, ...) or factorization (lowrank, lora, relora, sltrain)",
+        help="a method as the leaderboard names it: an optimizer (adamw, galore, ...), a factorization "
+        "(lowrank, lora, relora, sltrain, ...) or a variant (lowrank_restarts, sltrain_restarts, ...)",
     )
     e.add_argument("--rank", type=int, default=None, help="projection / factor rank")
     e.add_argument(
@@ -194,22 +195,11 @@ def _default_out(cfg, resume: str | None) -> Path:
 def cmd_estimate(args) -> int:
     from effpretrain.config import OptimConfig
     from effpretrain.memory import estimate, format_table
-    from effpretrain.models import FACTOR_KINDS, PRESETS
+    from effpretrain.models import PRESETS
 
     if args.model not in PRESETS:
         raise ConfigError(f"--model {args.model!r} is not one of {', '.join(PRESETS)}")
-    method = args.method.removesuffix("_restarts")
-    factor = "none"
-    if method in FACTOR_KINDS:
-        factor, method = method, OptimConfig().name  # factors train with the default optimizer
-    import optimizers
-
-    if method not in optimizers.METHODS:
-        raise ConfigError(
-            f"--method {args.method!r} is not one of {', '.join(sorted(optimizers.METHODS) + list(FACTOR_KINDS))}"
-        )
-    if optimizers.method_spec(method).steps_factor_pairs and factor == "none":
-        factor = "lowrank"  # a method that steps factor pairs (LORO) trains the pure Low-Rank model
+    method, factor, restarts = _method_structure(args.method)
     sizes = {"--rank": args.rank, "--world-size": args.world_size, "--batch-size": args.batch_size}
     sizes["--grad-accum"] = args.grad_accum
     sizes.update({"--seq-len": args.seq_len, "--vocab-size": args.vocab_size})
@@ -235,7 +225,7 @@ def cmd_estimate(args) -> int:
         sharding=sharding,
         grad_accum=args.grad_accum,
         loss=args.loss,
-        restarts=args.method.endswith("_restarts"),
+        restarts=restarts,
         update_in_backward=args.update_in_backward,
         grad_clip=args.grad_clip,
     )
@@ -246,6 +236,42 @@ def cmd_estimate(args) -> int:
     else:
         print(format_table(est))
     return 0
+
+
+def _method_structure(name: str) -> tuple[str, str, bool]:
+    """(optimizer, factor kind, restarts on) of a method as the leaderboard names it.
+
+    The names are the tiny recipes' stems (`recipes/tiny/*.yaml`: every registered optimizer and
+    factor kind, and the variants such as `lowrank_restarts`), and each recipe states the structure:
+    `optim.name`, `factor.kind`, `restarts.every > 0` (ReLoRA merges and LORO steps exactly on
+    restarts, so both have them). Without the recipes folder (an installed wheel), a registered
+    optimizer or factor kind is taken from the registries alone."""
+    import optimizers
+    from effpretrain.config import load_config
+    from effpretrain.models import FACTOR_KINDS
+    from effpretrain.paper import RECIPES
+
+    recipes = RECIPES / "tiny"
+    names = sorted({p.stem for p in recipes.glob("*.yaml")} | set(optimizers.METHODS) | set(FACTOR_KINDS))
+    if name not in names:
+        raise ConfigError(f"--method {name!r} is not one of {', '.join(names)}")
+    if (recipes / f"{name}.yaml").is_file():
+        cfg = load_config(str(recipes / f"{name}.yaml"))
+        return cfg.optim.name, cfg.factor.kind, cfg.restarts.every > 0
+    return _registry_structure(name)
+
+
+def _registry_structure(name: str) -> tuple[str, str, bool]:
+    """`_method_structure` of a registered optimizer or factor kind from the registries alone (a
+    test holds it equal to the tiny recipe's)."""
+    import optimizers
+    from effpretrain.config import OptimConfig
+    from effpretrain.models import FACTOR_KINDS
+
+    if name in FACTOR_KINDS:  # factors train with the default optimizer; ReLoRA merges on restarts
+        return OptimConfig().name, name, FACTOR_KINDS[name].merges_at_restart
+    spec = optimizers.method_spec(name)  # LORO steps the pure Low-Rank model's factor pairs
+    return name, "lowrank" if spec.steps_factor_pairs else "none", spec.restart_period_arg is not None
 
 
 def cmd_eval(args) -> int:

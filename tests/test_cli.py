@@ -139,3 +139,37 @@ def test_train_bad_recipe_file_exits_2_in_process(tmp_path, capsys, content, nee
     assert rc == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert needle in err
     assert not (tmp_path / "run").exists()
+
+
+def test_estimate_methods_take_their_structure_from_the_tiny_recipes(capsys):
+    """`--method` is a leaderboard name: a tiny recipe's optimizer, factor kind and restarts, so
+    ReLoRA and LORO count their restart transient and the Low-Rank variants can be named."""
+    import optimizers
+    from effpretrain.models import FACTOR_KINDS
+
+    recipes = {p.stem for p in (ROOT / "recipes" / "tiny").glob("*.yaml")}
+    registered = set(optimizers.METHODS) | set(FACTOR_KINDS)
+    assert registered <= recipes
+    for name in sorted(registered):  # the registries alone (no recipes folder) agree with the recipes
+        assert cli._registry_structure(name) == cli._method_structure(name), name
+    assert cli._method_structure("relora") == ("adamw", "relora", True)
+    assert cli._method_structure("loro") == ("loro", "lowrank", True)
+    assert cli._method_structure("lowrank") == ("adamw", "lowrank", False)
+    assert cli._method_structure("lowrank_reset")[1:] == ("lowrank", True)
+
+    def step_terms(method: str) -> dict:
+        # fp32 with few tokens: the peak is the optimizer step, where a restart's transient lands
+        flags = ["--seq-len", "8", "--dtype", "fp32", "--loss", "standard", "--json"]
+        rc, out, err = run_main(capsys, "estimate", "--model", "llama_60m", "--method", method, *flags)
+        assert rc == 0, err
+        est = json.loads(out)
+        assert est["peak_moment"] == "optimizer_step", est["peak_moment"]
+        return est["peak_terms"]
+
+    for method, restarts in [
+        ("lowrank", False),
+        ("lowrank_restarts", True),
+        ("lora", False),
+        ("relora", True),
+    ]:
+        assert ("restart_transient" in step_terms(method)) is restarts, method
