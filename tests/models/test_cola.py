@@ -220,6 +220,16 @@ def test_refactorizing_restarts_are_refused_with_one_line(kind, capsys, tmp_path
     assert cli.main(["train", recipe, "--set", ask[0], "--set", ask[1], "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "restarts.refactorize=false" in err
+    # The HF Trainer factory gives the same reason, and builds the momentum-reset-only restarts.
+    from effpretrain import hf
+    from optimizers import Restarts
+
+    with pytest.raises(ConfigError, match=f"factor.kind={kind} cannot be refactorized"):
+        hf.create_optimizer(_model(kind), "adamw", num_training_steps=20, lr=1e-3, restarts_every=10)
+    opt, _ = hf.create_optimizer(
+        _model(kind), "adamw", num_training_steps=20, lr=1e-3, restarts_every=10, refactorize=False
+    )
+    assert isinstance(opt, Restarts) and not opt.refactorize and opt.reset_momentum
 
 
 def _final_weights(run: Path) -> dict[str, torch.Tensor]:
