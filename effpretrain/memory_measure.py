@@ -156,6 +156,11 @@ class _Registry:
             if st is None:
                 continue
             sid = self.id_of(st, allocated)
+            if category != "activations" and sid in self.cats["activations"] and self._plain(sid):
+                # A saved storage that becomes a gradient (autograd keeps the chunked loss's saved
+                # dW as the head's .grad) leaves the activations now: it is held as a gradient from
+                # here on, across the next micro-steps of an accumulation.
+                self.saved_live -= self.nbytes[sid]
             if category == "gradients" and sid not in self.cats[category] and sid not in self.cats["weights"]:
                 self.grad_live += self.nbytes[sid]
                 self.grad_max = max(self.grad_max, self.grad_live)

@@ -332,11 +332,13 @@ def test_recipe_shapes_peak_matches_measured(recipe, preset):
     _check_against_measured(ROOT / "recipes" / "tiny" / f"{recipe}.yaml", [f"model.preset={preset}"])
 
 
-def test_grad_accum_holds_gradients_through_the_forward():
-    # The standard loss: the chunked loss under accumulation is a gap the note names.
+@pytest.mark.parametrize("loss", ["standard", "chunked"])
+def test_grad_accum_holds_gradients_through_the_forward(loss):
+    # chunked: the head's gradient is the dW its loss saved in the forward; held across the
+    # micro-steps it is a gradient, not an activation of the next micro-step.
     _check_against_measured(
         ROOT / "recipes" / "tiny" / "adamw.yaml",
-        ["train.batch_size=2", "train.grad_accum=2", "train.loss=standard"],
+        ["train.batch_size=2", "train.grad_accum=2", f"train.loss={loss}"],
     )
     one = estimate("tiny", "adamw", dtype="fp32", batch_size=2, seq_len=128)
     two = estimate("tiny", "adamw", dtype="fp32", batch_size=2, seq_len=128, grad_accum=2)
