@@ -45,6 +45,12 @@ Only the measured call runs under these hooks; every hook (forward pre-hook, sav
 dispatch mode, finalizers, the optimizer's patched ``step``/``zero_grad``) is removed before
 `measure_step` returns, so later steps run untouched.
 
+FSDP2 frees a unit's unsharded parameters by resizing their storages to 0 bytes and allocates
+them again by resizing back (`torch.distributed.fsdp._fully_shard._fsdp_param.free_storage` /
+``alloc_storage``): the storage object lives on, so no finalizer would see the release. The
+measured step wraps those two functions: a resize to 0 is a release (a tensor autograd saved in it
+stops counting as an activation), a resize back a new allocation.
+
 Under activation checkpointing (non-reentrant), the blocks' own saved tensors are held by the
 checkpoint's frames, not by our saved-tensor hooks: ``activations`` then counts what is saved
 outside the checkpointed blocks, and the inputs the checkpoints keep show up in ``temporaries``.
@@ -146,6 +152,16 @@ class _Registry:
         if sid in self.cats["gradients"] and sid not in self.cats["weights"]:
             self.grad_live -= self.nbytes[sid]
 
+    def resized(self, st: torch.UntypedStorage) -> None:
+        """FSDP2 resized `st` (to 0 bytes or back to full): its current id ends as a release, and
+        a storage with bytes again starts a new one, as allocated now."""
+        sid = self.ids.get(st._cdata)
+        if sid is not None:
+            self._fins[sid].detach()
+            self._release(st._cdata, sid)
+        if st.nbytes():
+            self.id_of(st, allocated=True)
+
     def _plain(self, sid: int) -> bool:
         """Not weights, gradients or optimizer state (which outrank activations)."""
         return not any(sid in self.cats[c] for c in CATEGORIES[:3])
@@ -213,6 +229,29 @@ class _Meter(TorchDispatchMode):
             if st is not None:
                 self.reg.id_of(st, allocated=True)
         return out
+
+
+def _watch_fsdp2_resizes(reg: _Registry) -> list[tuple[Any, str, Any]]:
+    """Wraps FSDP2's `alloc_storage` / `free_storage` (where this torch has them) so that each
+    resize reaches `reg.resized`; returns (module, name, original) for each wrapped name."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+    except ImportError:
+        return []
+    wrapped = []
+    for module in (_fsdp_param, _fsdp_param_group):
+        for name in ("alloc_storage", "free_storage"):
+            old = getattr(module, name, None)
+            if old is None:
+                continue
+
+            def resize(tensor: torch.Tensor, _old: Callable[[torch.Tensor], None] = old) -> None:
+                _old(tensor)
+                reg.resized(tensor.untyped_storage())
+
+            setattr(module, name, resize)
+            wrapped.append((module, name, old))
+    return wrapped
 
 
 def _replay(reg: _Registry) -> tuple[int, set[int], str]:
@@ -336,10 +375,13 @@ class _Step:
             return t
 
         watched = self._watch_in_backward()
+        resizes = _watch_fsdp2_resizes(self.reg)
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 yield
         finally:
+            for module, name, old in resizes:
+                setattr(module, name, old)
             pre.remove()
             for name, old in patched.items():
                 if old is None:

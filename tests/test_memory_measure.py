@@ -396,3 +396,31 @@ def test_trainer_reports_in_backward_gradient_bytes(tmp_path):
     assert summary["grad_bytes"] == first["gradients"] == summary["estimated"]["grads"]
     assert summary["grad_bytes"] < 4 * summary["trainable_params"]
     assert summary["estimate_matches_measured"]["gradients_within_estimate"] is True
+
+
+def test_a_storage_resized_to_zero_is_released_and_resized_back_is_allocated():
+    """FSDP2 frees an unsharded weight by resizing its storage to 0 bytes (the tensor, and what
+    autograd saved of it, live on): the registry counts that as the release, and the resize back
+    to full size as a new allocation, through the same FSDP2 functions the measured step wraps."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    from effpretrain.memory_measure import _Registry, _watch_fsdp2_resizes
+
+    reg = _Registry()
+    w = torch.ones(256)  # 1 KiB, "saved for backward" by a forward
+    reg.id_of(w.untyped_storage(), allocated=True)
+    reg.saved(w.untyped_storage(), allocated=True)
+    assert reg.saved_live == 1024
+    wrapped = _watch_fsdp2_resizes(reg)
+    try:
+        assert {name for _, name, _ in wrapped} == {"alloc_storage", "free_storage"}
+        _fsdp_param.free_storage(w)
+        assert w.untyped_storage().nbytes() == 0 and reg.saved_live == 0
+        assert reg.log[-1][1] == -1024  # released
+        _fsdp_param.alloc_storage(w)
+        assert reg.log[-1][1] == 1024 and w.untyped_storage()._cdata in reg.ids  # allocated again
+    finally:
+        for module, name, old in wrapped:
+            setattr(module, name, old)
+    assert all(getattr(module, name) is old for module, name, old in wrapped)
+    reg.close()
