@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -12,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_scripts import load
 
 from effpretrain import paper
 
@@ -20,15 +20,7 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
 def _load_leaderboard():
-    # benchmarks/ is a folder of scripts, not an installed package: load the file itself.
-    name = "effpretrain_benchmarks_leaderboard"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "leaderboard.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
+    return load("leaderboard")
 
 
 lb = _load_leaderboard()

@@ -2,28 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from bench_scripts import load
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load():
-    # benchmarks/ is a folder of scripts, not an installed package: load the file itself.
-    name = "effpretrain_benchmarks_memory"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "memory.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-bench = _load()
+bench = load("memory")
 SMALL = ("train.batch_size=2", "data.seq_len=16")
 
 

@@ -2,28 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
+from bench_scripts import load
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load():
-    # benchmarks/ is a folder of scripts, not an installed package: load the file itself.
-    name = "effpretrain_benchmarks_row_mixing"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "row_mixing.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-bench = _load()
+bench = load("row_mixing")
 
 
 def test_block_spread_is_the_std_of_consecutive_block_means():
