@@ -1345,15 +1345,16 @@ def _claims_section(rows: Sequence[dict[str, Any]]) -> list[str]:
         "The benchmark's claims checked against the final runs above, generated from the rows (`CLAIMS` in"
         f" benchmarks/leaderboard.py): lower perplexity is better; {NOISE_RULE}.",
         "",
-        "| model | claim | verdict | numbers |",
-        "|---|---|---|---|",
     ]
-    return out + _claim_rows(results) + [""]
+    return out + _claim_table(results)
 
 
-def _claim_rows(claims: Sequence[dict[str, str]]) -> list[str]:
-    """One table row per `evaluate_claims` result: model, statement, verdict, evidence."""
-    return [f"| {c['model']} | {c['statement']} | **{c['verdict']}** | {c['evidence']} |" for c in claims]
+def _claim_table(claims: Sequence[dict[str, str]]) -> list[str]:
+    """The claims table, one row per `evaluate_claims` result (model, statement, verdict, evidence),
+    and a blank line."""
+    out = ["| model | claim | verdict | numbers |", "|---|---|---|---|"]
+    out += [f"| {c['model']} | {c['statement']} | **{c['verdict']}** | {c['evidence']} |" for c in claims]
+    return out + [""]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1963,15 +1964,13 @@ def readme_summary(rows: Sequence[dict[str, Any]], source: str, top: int = 10) -
         out.append("")
     claims = evaluate_claims(ok)
     if claims:
-        out += [f"The benchmark's claims ({NOISE_RULE}):", "", "| model | claim | verdict | numbers |"]
-        out.append("|---|---|---|---|")
-        out += [*_claim_rows(claims), ""]
+        out += [f"The benchmark's claims ({NOISE_RULE}):", "", *_claim_table(claims)]
     return "\n".join(out)
 
 
-def readme_span(readme: Path) -> tuple[int, int]:
-    """(start, end) offsets of the text between the leaderboard markers of `readme`; bad input when
-    the file or a marker is missing."""
+def readme_span(readme: Path) -> tuple[str, int, int]:
+    """`readme`'s text and the (start, end) offsets of the text between its leaderboard markers;
+    bad input when the file or a marker is missing."""
     if not readme.is_file():
         raise BadInput(f"--readme: {readme} not found")
     text = readme.read_text()
@@ -1979,14 +1978,13 @@ def readme_span(readme: Path) -> tuple[int, int]:
     end = text.find(README_END, start + 1) if start >= 0 else -1
     if start < 0 or end < 0 or "\n" not in text[start:end]:
         raise BadInput(f"--readme: {readme} lacks the markers '{README_START} -->' and '{README_END}'")
-    return text.index("\n", start) + 1, end
+    return text, text.index("\n", start) + 1, end
 
 
 def update_readme(readme: Path, rows: Sequence[dict[str, Any]], source: str) -> bool:
     """Replaces the text between the README's leaderboard markers with `readme_summary`; returns
     whether the file changed. Missing markers are bad input (nothing is written)."""
-    body_at, end = readme_span(readme)
-    text = readme.read_text()
+    text, body_at, end = readme_span(readme)
     new = text[:body_at] + readme_summary(rows, source) + text[end:]
     if new != text:
         readme.write_text(new)
