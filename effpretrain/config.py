@@ -338,6 +338,16 @@ class TrainConfig:
     """0 (or false): off; k: checkpoint every k-th decoder layer (1 or true: all); `auto`: the
     fewest layers whose checkpointing brings the estimated peak within `train.memory_budget_gb`
     (README: Memory estimate)."""
+    compile: bool = False
+    """Compile each decoder block with `torch.compile` (regional: one compiled block serves every
+    layer, so compile time stays one block's at any depth; `effpretrain.compile`). Composes with
+    activation checkpointing, factorized layers, restarts, updates in backward, DDP and FSDP2;
+    checkpoints are interchangeable with eager runs'. Compile time is reported apart
+    (summary.json `compile_s`)."""
+    peak_tflops: PositiveFloat | None = None
+    """The device's peak dense bf16 TFLOP/s for the MFU figure (summary.json `mfu`); `null`: looked
+    up by the CUDA device's name (`effpretrain.flops.DEVICE_PEAKS`), none on CPU or an unknown
+    device (MFU is then null)."""
     memory_budget_gb: PositiveFloat | None = None
     """Per-rank memory budget (GB = 1e9 bytes) that `activation_checkpointing: auto` fits the
     estimated peak into."""

@@ -1,10 +1,15 @@
-"""Analytic training FLOPs per token of a preset's matrix multiplies (the leaderboard's column)."""
+"""Training FLOPs per token of a preset's matrix multiplies (the leaderboard's column), and model
+FLOPs utilisation (MFU): achieved model FLOP/s over the devices' peak dense bf16 FLOP/s."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from effpretrain.config import ATTN_MLP_TARGETS
+import torch
+
+from effpretrain.config import ATTN_MLP_TARGETS, RunConfig
 from effpretrain.memory import model_param_shapes
 from effpretrain.models.factorized import factor_spec
 from effpretrain.models.llama import PRESETS
@@ -52,3 +57,93 @@ def flops_per_token(
         else:
             total += 6 * m * n
     return total
+
+
+# ----------------------------------------------------------------------------------------------
+# MFU: achieved model FLOP/s over the device's peak dense bf16 tensor FLOP/s.
+
+
+@dataclass(frozen=True)
+class DevicePeak:
+    """A device's peak dense bf16 FLOP/s (no structured sparsity; fp32 accumulation where the
+    sheet gives two figures), matched by a regular expression on `torch.cuda.get_device_name`."""
+
+    pattern: str
+    flops: float
+    source: str
+
+
+#: Peak dense bf16 FLOP/s by device name. The first pattern that matches wins, so a variant
+#: (H100 PCIe) comes before its family's default (H100 SXM). Data sheets quote the sparse figure
+#: first; the dense one is half of it.
+DEVICE_PEAKS: tuple[DevicePeak, ...] = (
+    DevicePeak(r"\bH200 NVL\b", 835e12, "NVIDIA H200 NVL data sheet: BF16 1,671 TFLOPS with sparsity"),
+    DevicePeak(r"\bH200\b", 989e12, "NVIDIA H200 SXM data sheet: BF16 1,979 TFLOPS with sparsity"),
+    DevicePeak(r"\bH100 PCIe\b", 756e12, "NVIDIA H100 PCIe data sheet: BF16 1,513 TFLOPS with sparsity"),
+    DevicePeak(r"\bH100 NVL\b", 835e12, "NVIDIA H100 NVL data sheet: BF16 1,671 TFLOPS with sparsity"),
+    DevicePeak(
+        r"\b(H100|H800|GH200)\b", 989e12, "NVIDIA H100 SXM data sheet: BF16 1,979 TFLOPS with sparsity"
+    ),
+    DevicePeak(
+        r"\bB200\b", 2250e12, "NVIDIA HGX B200 data sheet: FP16/BF16 4.5 PFLOPS per GPU with sparsity"
+    ),
+    DevicePeak(r"\b(A100|A800)\b", 312e12, "NVIDIA A100 data sheet: BF16 312 TFLOPS (624 with sparsity)"),
+    DevicePeak(r"\bL40S\b", 362.05e12, "NVIDIA L40S data sheet: BF16 733 TFLOPS with sparsity"),
+    DevicePeak(r"\bL40\b", 181.05e12, "NVIDIA L40 data sheet: BF16 362.1 TFLOPS with sparsity"),
+    DevicePeak(r"\bL4\b", 121e12, "NVIDIA L4 data sheet: BF16 242 TFLOPS with sparsity"),
+    DevicePeak(r"\bA10\b", 125e12, "NVIDIA A10 data sheet: BF16 125 TFLOPS (250 with sparsity)"),
+    DevicePeak(
+        r"\bRTX 6000 Ada\b", 364.2e12, "NVIDIA Ada Lovelace architecture whitepaper: BF16, FP32 accumulate"
+    ),
+    DevicePeak(r"\bRTX A6000\b", 154.8e12, "NVIDIA RTX A6000 data sheet: tensor 309.7 TFLOPS with sparsity"),
+    DevicePeak(
+        r"\bRTX 4090\b", 165.2e12, "NVIDIA Ada Lovelace architecture whitepaper: BF16, FP32 accumulate"
+    ),
+    DevicePeak(r"\bRTX 3090\b", 71e12, "NVIDIA Ampere GA102 whitepaper: BF16, FP32 accumulate"),
+    DevicePeak(r"\bMI300X\b", 1307.4e12, "AMD Instinct MI300X data sheet: BF16 1,307.4 TFLOPS dense"),
+)
+
+
+def device_peak(name: str) -> DevicePeak | None:
+    """The table's entry for a device name (`torch.cuda.get_device_name`), None when unknown."""
+    return next((d for d in DEVICE_PEAKS if re.search(d.pattern, name)), None)
+
+
+def peak_flops(device: torch.device, peak_tflops: float | None = None) -> tuple[float | None, str]:
+    """The peak dense bf16 FLOP/s that MFU divides by, and where it came from.
+
+    `peak_tflops` (`train.peak_tflops`) wins; else a CUDA device is looked up by name in
+    `DEVICE_PEAKS`. A CPU or an unknown device has no peak (None): MFU is then null, never a
+    guess."""
+    if peak_tflops is not None:
+        return peak_tflops * 1e12, "train.peak_tflops"
+    if device.type != "cuda":
+        return None, f"no peak for a {device.type} device"
+    name = torch.cuda.get_device_name(device)
+    found = device_peak(name)
+    if found is None:
+        return None, f"{name} is not in effpretrain.flops.DEVICE_PEAKS (set train.peak_tflops)"
+    return found.flops, found.source
+
+
+def mfu(model_flops_per_s: float, peak: float | None, world_size: int = 1) -> float | None:
+    """Model FLOPs utilisation: achieved model FLOP/s of the whole job over `world_size` devices'
+    peak; None without a peak."""
+    if peak is None or peak <= 0:
+        return None
+    return model_flops_per_s / (peak * world_size)
+
+
+def run_flops_per_token(cfg: RunConfig, vocab_size: int, world_size: int = 1) -> float:
+    """`flops_per_token` of a run's model as its config builds it (preset, vocabulary, sequence
+    length, factorization), with SLTrain's once-per-step product spread over the step's tokens."""
+    t, f = cfg.train, cfg.factor
+    return flops_per_token(
+        cfg.model.preset,
+        vocab_size,
+        cfg.data.seq_len,
+        f.kind,
+        f.rank,
+        factor_targets=f.targets,
+        tokens_per_step=t.batch_size * t.grad_accum * world_size * cfg.data.seq_len,
+    )

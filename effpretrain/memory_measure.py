@@ -51,6 +51,11 @@ them again by resizing back (`torch.distributed.fsdp._fully_shard._fsdp_param.fr
 measured step wraps those two functions: a resize to 0 is a release (a tensor autograd saved in it
 stops counting as an activation), a resize back a new allocation.
 
+With `train.compile` the CUDA measurement sees the compiled blocks as they run; tensor accounting
+(CPU) cannot see inside compiled code (it runs below any dispatch mode), so there a measured step
+runs the blocks eagerly (``torch.compiler.set_stance("force_eager")``) and its activations are
+eager's. Weights, gradients and optimizer state are the same either way.
+
 Under activation checkpointing (non-reentrant), the blocks' own saved tensors are held by the
 checkpoint's frames, not by our saved-tensor hooks: ``activations`` then counts what is saved
 outside the checkpointed blocks, and the inputs the checkpoints keep show up in ``temporaries``.
@@ -473,8 +478,11 @@ def measure_step(
     device = _device(model)
     rec = _Step(model, optimizer, device, in_backward)
     meter = _Meter(rec.reg) if rec.cuda is None else contextlib.nullcontext()
+    # Compiled code runs below any dispatch mode, so tensor accounting cannot see inside it:
+    # compiled blocks (`train.compile`) run eagerly in a step measured that way.
+    stance = torch.compiler.set_stance("force_eager") if rec.cuda is None else contextlib.nullcontext()
     try:
-        with rec.hooks(), meter:
+        with rec.hooks(), meter, stance:
             rec.collect(weights=True)
             run_step()
             rec.collect(weights=True)

@@ -21,7 +21,7 @@ from typing import IO, Any
 import torch
 
 import optimizers
-from effpretrain import memory, memory_measure
+from effpretrain import flops, memory, memory_measure
 from effpretrain.config import RunConfig, config_hash, dump_yaml, to_dict
 from effpretrain.evaluation import EvalResult
 from effpretrain.models.factorized import warming_up
@@ -43,8 +43,12 @@ class RunReport:
         start_step: the step the loop starts at (0, or the resumed step), for the progress bar.
     """
 
-    def __init__(self, acc: Any, cfg: RunConfig, out: Path, start_step: int):
+    def __init__(
+        self, acc: Any, cfg: RunConfig, out: Path, start_step: int, flops_per_token: float | None = None
+    ):
         self.acc, self.cfg, self.out, self.start_step = acc, cfg, out, start_step
+        self.flops_per_token = flops_per_token
+        self.peak, _ = flops.peak_flops(acc.device, cfg.train.peak_tflops)
         self.metrics_path = out / "metrics.jsonl"
         self.file: IO[str] | None = None
         self._bar: Any = None
@@ -107,16 +111,22 @@ class RunReport:
             print(msg, flush=True)
 
     def advance(self, loss: float, tokens_per_s: float) -> None:
-        """Moves the progress bar by one step and shows the step's loss, throughput and memory."""
+        """Moves the progress bar by one step and shows the step's loss, throughput, MFU (where the
+        device's peak is known) and memory."""
         if self._bar is None:
             return
         self._bar.update(1)
-        self._bar.set_postfix(
-            loss=f"{loss:.3f}",
-            ppl=f"{math.exp(min(loss, 50)):.1f}",
-            tok_s=f"{tokens_per_s:,.0f}",
-            mem=f"{memory_measure.process_peak_bytes(self.acc.device) / 2**30:.2f}G",
-        )
+        shown = {
+            "loss": f"{loss:.3f}",
+            "ppl": f"{math.exp(min(loss, 50)):.1f}",
+            "tok_s": f"{tokens_per_s:,.0f}",
+        }
+        if self.flops_per_token is not None:
+            util = flops.mfu(self.flops_per_token * tokens_per_s, self.peak, self.acc.num_processes)
+            if util is not None:
+                shown["mfu"] = f"{util:.1%}"
+        shown["mem"] = f"{memory_measure.process_peak_bytes(self.acc.device) / 2**30:.2f}G"
+        self._bar.set_postfix(shown)
 
     def close_progress(self) -> None:
         if self._bar is not None:
@@ -177,6 +187,7 @@ def build_summary(
     memory_records: list[list[dict[str, Any]]] | None = None,
     telemetry: dict[str, Any] | None = None,
     state_ranks: list[int] | None = None,
+    compile_s: float = 0.0,
 ) -> dict[str, Any]:
     """summary.json: the run's result, measured memory beside the estimate, and its provenance.
 
@@ -196,6 +207,7 @@ def build_summary(
         telemetry: the optimizer's telemetry (over every rank); None reads this rank's.
         state_ranks: every rank's measured optimizer-state bytes, in rank order (None: one rank).
             ``optimizer_state_bytes`` is this rank's; the estimate is compared rank by rank.
+        compile_s: seconds this process spent compiling for the run (`train.compile`).
     """
     import transformers
 
@@ -210,6 +222,7 @@ def build_summary(
     est_ranks = est.detail.get("optimizer_state_per_rank") if phase is None else None
     if est_ranks is None or len(est_ranks) != len(state_ranks):  # unsharded: every rank holds all
         est_ranks = [est_state] * len(state_ranks)
+    tokens_per_s = clock.tokens_per_s(progress.tokens)
     return {
         "method": cfg.method,
         "optimizer": cfg.optim.name,
@@ -226,7 +239,8 @@ def build_summary(
         "val_tokens": val.tokens,
         "val_sequences": val.sequences,
         "val_batches": val.batches,
-        "tokens_per_s": clock.tokens_per_s(progress.tokens),
+        "tokens_per_s": tokens_per_s,
+        **speed_figures(cfg, acc, vocab_size, tokens_per_s, compile_s),
         "wall_s": time.time() - clock.start_wall,
         "peak_memory_bytes": memory_measure.process_peak_bytes(acc.device),
         "optimizer_state_bytes": measured_state,
@@ -250,6 +264,27 @@ def build_summary(
         "git_commit": git_commit(),
         "config_hash": config_hash(cfg),
         **(opt_telemetry(opt) if telemetry is None else telemetry),
+    }
+
+
+def speed_figures(
+    cfg: RunConfig, acc: Any, vocab_size: int, tokens_per_s: float, compile_s: float = 0.0
+) -> dict[str, Any]:
+    """summary.json's speed beside the throughput: ``flops_per_token`` (`flops.run_flops_per_token`),
+    ``model_flops_per_s`` (that x the whole job's tokens/s), ``mfu`` (over every process's device
+    peak; null on CPU or an unknown device), ``peak_flops`` and ``peak_flops_source``, and
+    ``compile_s`` (`train.compile`: the run's compilation time in this process, which the
+    throughput includes; 0 eager)."""
+    per_token = flops.run_flops_per_token(cfg, vocab_size, acc.num_processes)
+    peak, source = flops.peak_flops(acc.device, cfg.train.peak_tflops)
+    achieved = per_token * tokens_per_s
+    return {
+        "flops_per_token": per_token,
+        "model_flops_per_s": achieved,
+        "mfu": flops.mfu(achieved, peak, acc.num_processes),
+        "peak_flops": peak,
+        "peak_flops_source": source,
+        "compile_s": compile_s,
     }
 
 

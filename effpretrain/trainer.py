@@ -25,7 +25,8 @@ import torch
 import optimizers
 from effpretrain import checkpoint as ckpt
 from effpretrain import data as data_mod
-from effpretrain import evaluation, fsdp, memory, memory_measure
+from effpretrain import evaluation, flops, fsdp, memory, memory_measure
+from effpretrain.compile import check_compilable, compile_blocks, compile_seconds
 from effpretrain.config import RunConfig, apply_overrides, dump_yaml, from_dict, to_dict, validate
 from effpretrain.errors import ConfigError
 from effpretrain.evaluation import EvalResult
@@ -88,6 +89,7 @@ class Trainer:
         allow_oversubscribe: bool = False,
     ):
         self.cfg, self.out = cfg, out_dir
+        self.compile_s_before = compile_seconds()  # this process's, before this run compiles
         _check_writable_dir(self.out)  # before any work: a run that cannot write is refused now
         self._set_up_processes()
         if not allow_oversubscribe:
@@ -117,6 +119,11 @@ class Trainer:
         self.rank, self.world = self.acc.process_index, self.acc.num_processes
         self.is_main = self.acc.is_main_process
         check_launch(self.world, self.cfg)
+        if self.cfg.train.compile:
+            try:
+                check_compilable(self.acc.device)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         warm_start_steps(self.cfg, self.world)  # refuse an impossible warm start before any work
         set_seed(self.cfg.train.seed)
 
@@ -167,6 +174,8 @@ class Trainer:
         if t.precision == "bf16-pure":
             model = model.to(torch.bfloat16)
         model = model.to(self.acc.device)
+        if t.compile:
+            compile_blocks(model)  # before sharding: FSDP2 then wraps the compiled blocks
         # FSDP2: shard before the optimizer is built, since fully_shard replaces the parameters.
         self.fsdp = self.world > 1 and self.cfg.dist.sharding == "fsdp2"
         if self.fsdp:
@@ -261,7 +270,16 @@ class Trainer:
         """
         p, max_steps = self.progress, self.cfg.train.max_steps
         signals = contextlib.nullcontext(stop) if stop is not None else StopSignals()
-        with signals as stop, RunReport(self.acc, self.cfg, self.out, p.step) as report:
+        with (
+            signals as stop,
+            RunReport(
+                self.acc,
+                self.cfg,
+                self.out,
+                p.step,
+                flops.run_flops_per_token(self.cfg, self.tok.vocab_size, self.world),
+            ) as report,
+        ):
             clock, last_val = RunClock(start_tokens=p.tokens), None
             self.model.train()
             stop.enter_loop()
@@ -472,6 +490,7 @@ class Trainer:
             state_ranks=self._gather_small(optimizers.measured_state_bytes(self.inner_opt)),
             vocab_size=self.tok.vocab_size,
             sharding=self._sharding(),
+            compile_s=compile_seconds() - self.compile_s_before if self.cfg.train.compile else 0.0,
         )
         report.finish(summary)
         return summary

@@ -142,8 +142,10 @@ def make_trainer(
     eval_rows=0,
     lr=1e-2,
     max_grad_norm=1.0,
+    torch_compile=False,
 ):
     args = TrainingArguments(
+        torch_compile=torch_compile,
         output_dir=str(out),
         use_cpu=True,
         report_to=[],
@@ -575,6 +577,39 @@ def test_update_in_backward_equals_the_trainers_own_steps(case, ga, steps, tmp_p
     if ga == 3:
         epochs = {h["step"]: h["epoch"] for h in tr.state.log_history if "loss" in h}
         assert (epochs[5], epochs[6]) == (15 / 16, 1.0)  # update 6 was one micro-batch
+
+
+@pytest.mark.parametrize("case", ["galore", "adamw-in-backward"])
+def test_compiled_models_train_as_eager_ones(case, tmp_path):
+    """`compile_blocks` before the Trainer (regional, effpretrain's) and the Trainer's own
+    ``torch_compile=True`` (Accelerate compiles the whole model) both train with the factory's
+    optimizer and the callback, updates in backward included, as the eager model does."""
+    from effpretrain.compile import compile_blocks
+
+    method, inb = case.split("-")[0], case.endswith("in-backward")
+    runs = {}
+    for mode in ("eager", "blocks", "trainer"):
+        model = tiny_model()
+        if mode == "blocks":
+            compile_blocks(model)
+        opt = hf.create_optimizer(
+            model, method, num_training_steps=4, lr=1e-2, rank=8, update_in_backward=inb
+        )
+        tr = make_trainer(
+            tmp_path / mode,
+            model,
+            max_steps=4,
+            opt=opt,
+            callbacks=[hf.EffPretrainCallback()],
+            torch_compile=mode == "trainer",
+        )
+        tr.train()
+        runs[mode] = losses(tr)
+        if mode == "trainer":  # the Trainer compiled the whole model
+            assert type(tr.model_wrapped).__name__ == "OptimizedModule"
+    assert sorted(runs["eager"]) == [1, 2, 3, 4]
+    for mode in ("blocks", "trainer"):
+        assert runs[mode] == pytest.approx(runs["eager"], rel=1e-5)
 
 
 def test_update_in_backward_clips_with_the_previous_steps_norm(tmp_path):

@@ -403,6 +403,13 @@ class SLTrainLinear(FactorizedLinear):
 #: CoLA's nonlinearities sigma, by name. SiLU is the paper's (the model's hidden_act); "identity"
 #: makes CoLA Low-Rank exactly (the acceptance test), so it is kept as a choice, not a config knob.
 COLA_ACTIVATIONS: dict[str, Any] = {"silu": F.silu, "identity": lambda z: z}
+#: Each activation's backward, dz = sigma'(z) dh: the kernels autograd itself runs for it (SiLU's
+#: ``silu_backward``), so CoLA-M's gradients are CoLA's bit for bit, without a nested autograd
+#: call in a backward (which `torch.compile` cannot trace).
+COLA_ACTIVATION_GRADS: dict[str, Any] = {
+    "silu": lambda dh, z: torch.ops.aten.silu_backward(dh, z),
+    "identity": lambda dh, z: dh,
+}
 
 
 class CoLALinear(FactorizedLinear):
@@ -464,8 +471,8 @@ class _LowRankActivation(torch.autograd.Function):
     """y = B sigma(z) + b with z = s A x, saving x, A, B and z (N x r) but not sigma(z).
 
     Backward, with G = dy: h = sigma(z) recomputed (r-dim, cheap); dB = G^T h; dh = G B;
-    dz = sigma'(z) dh (autograd through sigma on the saved z, the same kernel as the plain
-    forward's); dA = s dz^T x; dx = s dz A; db = sum of G's rows.
+    dz = sigma'(z) dh (`COLA_ACTIVATION_GRADS`: the kernel autograd runs for sigma in the plain
+    forward); dA = s dz^T x; dx = s dz A; db = sum of G's rows.
     """
 
     @staticmethod
@@ -484,13 +491,13 @@ class _LowRankActivation(torch.autograd.Function):
         x, A, B, z = ctx.saved_tensors
         need_x, need_a, need_b, need_bias = ctx.needs_input_grad[:4]
         g = dy.reshape(-1, dy.shape[-1])
-        with torch.enable_grad():
-            z_ = z.detach().requires_grad_(True)
-            h = COLA_ACTIVATIONS[ctx.act](z_)
-        d_b = torch.mm(g.t(), h.detach().reshape(-1, h.shape[-1])) if need_b else None
+        if need_b:
+            h = COLA_ACTIVATIONS[ctx.act](z)
+            d_b = torch.mm(g.t(), h.reshape(-1, h.shape[-1]))
+        else:
+            d_b = None
         dh = torch.mm(g, B).view(z.shape)
-        (dz,) = torch.autograd.grad(h, z_, dh)
-        dz = dz * ctx.scale
+        dz = COLA_ACTIVATION_GRADS[ctx.act](dh, z) * ctx.scale
         d_a = torch.mm(dz.reshape(-1, dz.shape[-1]).t(), x.reshape(-1, x.shape[-1])) if need_a else None
         dx = torch.matmul(dz, A) if need_x else None
         d_bias = g.sum(0) if need_bias else None

@@ -1,0 +1,110 @@
+"""MFU claims: FLOPs/token of llama_1b against a hand count, the device peak table and its lookup,
+the MFU formula, and summary.json's speed fields (MFU null on CPU, never a guess)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from effpretrain import flops
+from effpretrain.config import load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_llama_1b_flops_per_token_against_a_hand_count():
+    # llama_1b: hidden 2048, MLP 5461, 24 layers, vocabulary 32000, sequence 256 (the benchmark's).
+    # Per layer, q k v o (2048 x 2048 each) and gate up down (2048 x 5461 each):
+    per_layer = 4 * 2048 * 2048 + 3 * 2048 * 5461  # 16,777,216 + 33,552,384 = 50,329,600 weights
+    assert per_layer == 50_329_600
+    linear = 24 * per_layer + 32000 * 2048  # + the LM head; the embedding is a lookup
+    assert linear == 1_273_446_400
+    attention = 12 * 24 * 2048 * 256  # scores and weighted values: 12 L h T per token
+    assert attention == 150_994_944
+    hand = 6 * linear + attention  # forward 2, backward 4 FLOPs per weight per token
+    assert hand == 7_791_673_344
+    assert flops.flops_per_token("llama_1b", 32000, 256) == hand
+
+
+@pytest.mark.parametrize(
+    "name, tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", 989),
+        ("NVIDIA H100 PCIe", 756),
+        ("NVIDIA H100 NVL", 835),
+        ("NVIDIA H200", 989),
+        ("NVIDIA H200 NVL", 835),
+        ("NVIDIA A100-SXM4-80GB", 312),
+        ("NVIDIA A100-PCIE-40GB", 312),
+        ("NVIDIA L40S", 362.05),
+        ("NVIDIA L4", 121),
+        ("NVIDIA A10", 125),
+        ("NVIDIA GeForce RTX 4090", 165.2),
+        ("NVIDIA GeForce RTX 3090", 71),
+        ("AMD Instinct MI300X", 1307.4),
+    ],
+)
+def test_device_table_lookup(name, tflops):
+    found = flops.device_peak(name)
+    assert found is not None and found.flops == pytest.approx(tflops * 1e12)
+    assert found.source  # every value says where it comes from
+
+
+@pytest.mark.parametrize("name", ["NVIDIA A10G", "Tesla V100-SXM2-16GB", "NVIDIA GeForce GTX 1080", ""])
+def test_unknown_devices_have_no_peak(name):
+    assert flops.device_peak(name) is None  # V100 has no bf16 tensor cores; A10G is not the A10
+
+
+def test_every_table_entry_is_matched_by_its_own_names_first():
+    """Each entry is reachable: no earlier pattern shadows a later one's example name."""
+    examples = {
+        r"\bH200 NVL\b": "NVIDIA H200 NVL",
+        r"\bH200\b": "NVIDIA H200",
+        r"\bH100 PCIe\b": "NVIDIA H100 PCIe",
+        r"\bH100 NVL\b": "NVIDIA H100 NVL",
+        r"\b(H100|H800|GH200)\b": "NVIDIA GH200 480GB",
+        r"\bB200\b": "NVIDIA B200",
+        r"\b(A100|A800)\b": "NVIDIA A800 80GB PCIe",
+        r"\bL40S\b": "NVIDIA L40S",
+        r"\bL40\b": "NVIDIA L40",
+        r"\bL4\b": "NVIDIA L4",
+        r"\bA10\b": "NVIDIA A10",
+        r"\bRTX 6000 Ada\b": "NVIDIA RTX 6000 Ada Generation",
+        r"\bRTX A6000\b": "NVIDIA RTX A6000",
+        r"\bRTX 4090\b": "NVIDIA GeForce RTX 4090",
+        r"\bRTX 3090\b": "NVIDIA GeForce RTX 3090",
+        r"\bMI300X\b": "AMD Instinct MI300X",
+    }
+    assert set(examples) == {d.pattern for d in flops.DEVICE_PEAKS}
+    for pattern, name in examples.items():
+        assert flops.device_peak(name).pattern == pattern, name
+
+
+def test_peak_on_cpu_is_none_unless_given():
+    cpu = torch.device("cpu")
+    assert flops.peak_flops(cpu)[0] is None
+    assert flops.peak_flops(cpu, peak_tflops=100.0) == (100e12, "train.peak_tflops")
+
+
+def test_mfu_formula():
+    # 1e15 model FLOP/s over 2 devices of 989 TFLOP/s each.
+    assert flops.mfu(1e15, 989e12, 2) == pytest.approx(1e15 / 1.978e15)
+    assert flops.mfu(1e15, None, 2) is None
+    assert flops.mfu(0.0, 989e12) == 0.0
+
+
+def test_summary_reports_model_flops_and_a_null_mfu_on_cpu(tmp_path, tiny_overrides):
+    from effpretrain.trainer import train
+
+    over = tiny_overrides + ["train.max_steps=2", "train.eval_every=0", "train.memory_steps=[]"]
+    s = train(load_config(ROOT / "recipes" / "tiny" / "adamw.yaml", over), tmp_path / "run")
+    assert s["flops_per_token"] == flops.flops_per_token("tiny", 512, 32)
+    assert s["model_flops_per_s"] == pytest.approx(s["flops_per_token"] * s["tokens_per_s"])
+    assert s["mfu"] is None and s["peak_flops"] is None
+    assert s["compile_s"] == 0.0
+    over.append("train.peak_tflops=0.001")  # a stated peak gives an MFU even on CPU
+    s = train(load_config(ROOT / "recipes" / "tiny" / "adamw.yaml", over), tmp_path / "stated")
+    assert s["mfu"] == pytest.approx(s["model_flops_per_s"] / 1e9)
+    assert s["peak_flops_source"] == "train.peak_tflops"
