@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv train test lint format clean
+.PHONY: venv train test lint format clean gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,6 +31,13 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(BIN)/ruff format effpretrain optimizers tests benchmarks examples
 	$(BIN)/ruff check --fix effpretrain optimizers tests benchmarks examples
+
+# Wheels for a GPU machine without network (benchmarks/gpu_check.py's 8-bit and HF sections), for
+# its Python 3.12: carried in the ignored folder .whl/ and installed there with --no-index.
+gpu-wheels: $(STAMP)
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl bitsandbytes galore-torch
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

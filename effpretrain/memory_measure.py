@@ -492,53 +492,37 @@ def measure_step(
         rec.reg.close()
 
 
-def measure_run(cfg: Any, vocab_size: int, steps: int = 2, seed: int = 0) -> list[dict]:
-    """Builds `cfg`'s model and optimizer as the trainer does (its activation checkpointing as the
-    estimator plans it) and measures its first `steps` steps on one random batch, without data
-    loading: one `measure_step` breakdown per step. Step 0 builds the optimizer state (and a
-    projecting method's first basis: a refresh step); from step 1 the state exists before the
-    forward (the steady state). With ``train.update_in_backward`` the step runs as the trainer's
-    does (an `effpretrain.in_backward.InBackward` steps each parameter inside backward; its hooks
-    are removed before returning). Tests and benchmarks compare these with the estimate.
+def measure_run(
+    cfg: Any, vocab_size: int, steps: int = 2, seed: int = 0, device: torch.device | str = "cpu"
+) -> list[dict]:
+    """Builds `cfg`'s model and optimizer as the trainer does (placed by `run_model.place_model`:
+    its precision, its activation checkpointing as the estimator plans it, `train.compile`) and
+    measures its first `steps` steps on one random batch, without data loading: one `measure_step`
+    breakdown per step. Step 0 builds the optimizer state (and a projecting method's first basis: a
+    refresh step); from step 1 the state exists before the forward (the steady state). With
+    ``train.update_in_backward`` the step runs as the trainer's does (an
+    `effpretrain.in_backward.InBackward` steps each parameter inside backward; its hooks are
+    removed before returning). Tests and benchmarks compare these with the estimate.
 
     Args:
-        cfg: a loaded `effpretrain.config.Config`.
+        cfg: a loaded `effpretrain.config.RunConfig`.
         vocab_size: the model's vocabulary.
         steps: how many steps to run and measure.
         seed: seeds the batch's token ids (the bytes do not depend on them).
+        device: where the model trains (CUDA: the allocator's measurement).
     """
     from effpretrain.in_backward import InBackward
-    from effpretrain.loss import token_loss_sum
     from effpretrain.memory import estimate_from_config
-    from effpretrain.models import set_activation_checkpointing
     from effpretrain.optim_setup import build_optimizer_and_schedule
-    from effpretrain.run_model import build_run_model
+    from effpretrain.run_model import build_run_model, make_train_step, place_model, synthetic_batch
 
     model, _ = build_run_model(cfg, vocab_size)
-    set_activation_checkpointing(model, estimate_from_config(cfg, vocab_size).detail["checkpointed_layers"])
+    planned = estimate_from_config(cfg, vocab_size).detail["checkpointed_layers"]
+    model = place_model(model, cfg, device, planned)
     opt, _ = build_optimizer_and_schedule(model, cfg)
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab_size, (cfg.train.batch_size, cfg.data.seq_len), generator=gen)
-    mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-
+    mb = synthetic_batch(cfg, vocab_size, seed, device)
     inb = InBackward(model.parameters(), opt, cfg.train.grad_clip) if cfg.train.update_in_backward else None
-    K = cfg.train.grad_accum
-
-    def step() -> None:
-        for k in range(K):
-            if inb is not None:
-                inb.begin_micro(k, K)
-            s, _ = token_loss_sum(
-                model, mb, packed=True, loss=cfg.train.loss, chunk_tokens=cfg.train.loss_chunk_tokens
-            )
-            s.backward()
-        if inb is None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        else:
-            inb.finish()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    step = make_train_step(model, opt, cfg, lambda k: mb, in_backward=inb, clip=1.0)
     try:
         return [measure_step(step, model, opt, k, in_backward=inb) for k in range(steps)]
     finally:

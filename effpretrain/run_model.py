@@ -1,14 +1,18 @@
-"""The model a run trains, from its config: the LLaMA preset, seeded, plus factorization surgery."""
+"""The model a run trains, from its config: the LLaMA preset, seeded, plus factorization surgery;
+its placement (checkpointing, dtype, device, compilation); and one training step on a given batch,
+for the measurements and checks that run a step without the trainer's data pipeline."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from effpretrain.config import RunConfig
 from effpretrain.errors import ConfigError
-from effpretrain.models import build_model
+from effpretrain.models import build_model, set_activation_checkpointing
 
 
 def build_run_model(cfg: RunConfig, vocab_size: int) -> tuple[torch.nn.Module, dict[str, Any] | None]:
@@ -41,3 +45,92 @@ def build_run_model(cfg: RunConfig, vocab_size: int) -> tuple[torch.nn.Module, d
         except ValueError as e:
             raise ConfigError(f"factor: {e}") from None
     return model, report
+
+
+def place_model(
+    model: torch.nn.Module, cfg: RunConfig, device: torch.device | str, checkpointed: int | Collection[int]
+) -> torch.nn.Module:
+    """Places a built model as the trainer does, before any DDP or FSDP2 wrapping: a warm start's
+    frozen start (`factor.warm_start_steps`), activation checkpointing of the `checkpointed`
+    layers, bf16 weights for ``bf16-pure``, the device, and `train.compile`'s compiled blocks."""
+    from effpretrain.compile import compile_blocks
+    from effpretrain.models.factorized import begin_warm_start_
+
+    if cfg.factor.warm_start_steps:
+        begin_warm_start_(model)  # before DDP wraps it: DDP reduces what requires grad now
+    set_activation_checkpointing(model, checkpointed)
+    if cfg.train.precision == "bf16-pure":
+        model = model.to(torch.bfloat16)
+    model = model.to(device)
+    if cfg.train.compile:
+        compile_blocks(model)  # before sharding: FSDP2 then wraps the compiled blocks
+    return model
+
+
+def synthetic_batch(
+    cfg: RunConfig, vocab_size: int, seed: int = 0, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """One micro-batch of uniform random token ids (`train.batch_size` x `data.seq_len`, every
+    position real), drawn on the CPU from `seed` so that any device gets the same ids."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (cfg.train.batch_size, cfg.data.seq_len), generator=gen)
+    return {
+        "input_ids": ids.to(device),
+        "attention_mask": torch.ones_like(ids).to(device),
+        "labels": ids.to(device),
+    }
+
+
+def make_train_step(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    cfg: RunConfig,
+    batches: Callable[[int], dict[str, torch.Tensor]],
+    *,
+    sched: Any = None,
+    in_backward: Any = None,
+    clip: float | None = None,
+) -> Callable[[], float]:
+    """One optimizer step as a callable: `train.grad_accum` micro-steps on ``batches(k)`` (forward
+    with the run's loss, backward of the token-mean loss), clipping at `clip` (default
+    `train.grad_clip`; 0 off), the optimizer and schedule steps, ``zero_grad``. With
+    `in_backward` (an `effpretrain.in_backward.InBackward`) the parameters step inside backward
+    and the step finishes the engine's update instead of clipping. Returns the step's loss."""
+    from effpretrain.loss import token_loss_sum
+
+    K = cfg.train.grad_accum
+    clip = cfg.train.grad_clip if clip is None else clip
+
+    def step() -> float:
+        total = 0.0
+        for k in range(K):
+            if in_backward is not None:
+                in_backward.begin_micro(k, K)
+            s, n = token_loss_sum(
+                model, batches(k), packed=True, loss=cfg.train.loss, chunk_tokens=cfg.train.loss_chunk_tokens
+            )
+            loss = s / (n * K)
+            loss.backward()
+            total += float(loss.detach())
+        if in_backward is not None:
+            in_backward.finish()
+        elif clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        if sched is not None:
+            sched.step()
+        opt.zero_grad(set_to_none=True)
+        return total
+
+    return step
+
+
+def registry_recipes(tiny: Path) -> list[str]:
+    """The tiny recipes (stems under `tiny`) that cover every registry row: one per registered
+    optimizer (trained on the dense model) and one per factor kind (its restarts recipe where it
+    has one), so checks that sweep the methods follow the registries instead of a hand-kept list."""
+    import optimizers
+    from effpretrain.models import FACTOR_KINDS
+
+    kinds = [f"{k}_restarts" if (tiny / f"{k}_restarts.yaml").is_file() else k for k in FACTOR_KINDS]
+    return [*optimizers.METHODS, *kinds]

@@ -26,18 +26,17 @@ import optimizers
 from effpretrain import checkpoint as ckpt
 from effpretrain import data as data_mod
 from effpretrain import evaluation, flops, fsdp, memory, memory_measure
-from effpretrain.compile import check_compilable, compile_blocks, compile_seconds
+from effpretrain.compile import check_compilable, compile_seconds
 from effpretrain.config import RunConfig, apply_overrides, dump_yaml, from_dict, to_dict, validate
 from effpretrain.errors import ConfigError
 from effpretrain.evaluation import EvalResult
 from effpretrain.in_backward import AllReduceMean, InBackward, broadcast_module_, check_same_order
 from effpretrain.launch import check_launch, make_accelerator
 from effpretrain.loss import token_loss_sum
-from effpretrain.models import set_activation_checkpointing
-from effpretrain.models.factorized import begin_warm_start_, end_warm_start_, factor_spec, warming_up
+from effpretrain.models.factorized import end_warm_start_, factor_spec, warming_up
 from effpretrain.optim_setup import build_optimizer_and_schedule, opt_telemetry, warm_start_steps
 from effpretrain.reporting import RunClock, RunReport, build_summary
-from effpretrain.run_model import build_run_model
+from effpretrain.run_model import build_run_model, place_model
 from effpretrain.signals import StopSignals
 from optimizers._sharded import local as _local
 
@@ -166,16 +165,8 @@ class Trainer:
         )
 
     def _build_model(self) -> torch.nn.Module:
-        t = self.cfg.train
         model, self.factor_report = build_run_model(self.cfg, self.tok.vocab_size)
-        if self.cfg.factor.warm_start_steps:
-            begin_warm_start_(model)  # before DDP wraps it: DDP reduces what requires grad now
-        set_activation_checkpointing(model, self._checkpointed_layers())
-        if t.precision == "bf16-pure":
-            model = model.to(torch.bfloat16)
-        model = model.to(self.acc.device)
-        if t.compile:
-            compile_blocks(model)  # before sharding: FSDP2 then wraps the compiled blocks
+        model = place_model(model, self.cfg, self.acc.device, self._checkpointed_layers())
         # FSDP2: shard before the optimizer is built, since fully_shard replaces the parameters.
         self.fsdp = self.world > 1 and self.cfg.dist.sharding == "fsdp2"
         if self.fsdp:

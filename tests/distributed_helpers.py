@@ -33,15 +33,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def registry_recipes() -> list[str]:
-    """The tiny recipes that cover every registry row: one per registered optimizer (trained on the
-    dense model) and one per factor kind (its restarts recipe where it has one), so the parity
-    tests follow the registries instead of a hand-kept list; a new method needs its tiny recipe."""
-    import optimizers
-    from effpretrain.models import FACTOR_KINDS
+    """The tiny recipes that cover every registry row (`effpretrain.run_model.registry_recipes`),
+    so the parity tests follow the registries instead of a hand-kept list; a new method needs its
+    tiny recipe."""
+    from effpretrain.run_model import registry_recipes as covering
 
-    tiny = ROOT / "recipes" / "tiny"
-    kinds = [f"{k}_restarts" if (tiny / f"{k}_restarts.yaml").is_file() else k for k in FACTOR_KINDS]
-    return [*optimizers.METHODS, *kinds]
+    return covering(ROOT / "recipes" / "tiny")
 
 
 def free_port() -> int:

@@ -1,0 +1,792 @@
+"""One command that proves effpretrain on a GPU: CUDA numerics, memory by category at 1B, speed
+(eager and compiled, MFU), and the HF Trainer's own GaLore side by side.
+
+    python benchmarks/gpu_check.py [--out DIR] [--budget-s 420] [--sections numerics,memory,speed,hf]
+    python benchmarks/gpu_check.py --smoke    # every section's code at tiny scale on the CPU
+
+Sections (each writes ``DIR/<section>.json`` and ``DIR/<section>.md``, headed by the commit, the
+device's name, and the torch and CUDA versions; ``DIR/summary.md`` joins them):
+
+- ``numerics``: every registered optimizer and factor kind (their tiny recipes, `run_model.
+  registry_recipes`), fp32, 5 steps on the device against the same 5 steps on the CPU from the same
+  weights and batches: the worst relative weight difference (||a - b|| / ||b||, per tensor); for a
+  method with 8-bit (uint8) state, the final losses' relative difference (target: within 1%).
+- ``memory``: llama_1b, bf16-pure, sequence 256 (the benchmark's), the largest batch of (64, 32,
+  ..., 1) whose estimate fits every method in 85% of the device, for adamw, galore (rank 512),
+  galore_8bit, apollo_mini, muon, lowrank_restarts, sltrain and cola_m, plus galore_8bit with
+  updates in backward and activation checkpointing: measured by category (the allocator on CUDA,
+  `memory_measure.measure_run`, two steps) against the estimator. Weights, gradients and state
+  must be equal, the peak within 5% (flagged otherwise).
+- ``speed``: tokens/s and MFU at the same shape for adamw, galore, apollo_mini, muon and lowrank,
+  eager and compiled (`train.compile`): the median of timed steps after warm-up steps, the
+  compile time apart, the optimizer step's share of a step, and a refresh's time amortised over
+  its gap. Printed beside the figures (targets, not assertions): compiled >= 1.15x eager;
+  compiled galore >= 0.90x, apollo_mini >= 0.95x and muon >= 0.85x of compiled AdamW's tokens/s.
+- ``hf``: with galore-torch importable, transformers' Trainer with ``optim="galore_adamw"``
+  against ``effpretrain train`` galore at llama_350m, the same batch, rank, gap and data
+  (the built-in corpus's tokens), one process, alternating (HF, ours, HF, ours): the steady
+  tokens/s ratio and the peak-memory ratio.
+
+Data is the built-in corpus and synthetic token ids only: nothing is downloaded, and `datasets` is
+never imported. A section whose package is missing (bitsandbytes for the 8-bit methods,
+galore-torch for ``hf``) is reported as skipped, with the package, and the rest still runs.
+
+``--budget-s``: before each case, the time left is checked against the case's expected cost; the
+cases not reached are listed as such, and the files are written, so a long check ends cleanly.
+
+``--smoke`` runs every section's functions at tiny scale on the CPU (the "device" is the CPU, so
+the numerics compare the CPU with itself) in about a minute; the test suite runs it, so the GPU
+path cannot rot while no GPU is at hand. Only CUDA calls (synchronisation, the allocator's
+statistics) are left untaken.
+
+Wheels for the GPU machine, which has no network (bitsandbytes and galore-torch, about 43 MB):
+``make gpu-wheels`` puts them in the ignored folder ``.whl/``; there, ``pip install --no-index
+--no-deps --target /tmp/site .whl/*.whl`` and ``PYTHONPATH=/tmp/site:.`` before this command.
+
+Exit code: 0 when every case that was reached ran (targets and flags are reported, not asserted),
+1 when a case raised, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from effpretrain import flops  # noqa: E402
+from effpretrain.config import load_config  # noqa: E402
+from effpretrain.reporting import git_commit  # noqa: E402
+
+RECIPES = ROOT / "recipes"
+SECTIONS = ("numerics", "memory", "speed", "hf")
+MEMORY_METHODS = (
+    "adamw",
+    "galore",
+    "galore_8bit",
+    "apollo_mini",
+    "muon",
+    "lowrank_restarts",
+    "sltrain",
+    "cola_m",
+)
+IN_BACKWARD = ("train.update_in_backward=true", "train.grad_clip=0", "train.activation_checkpointing=1")
+SPEED_METHODS = ("adamw", "galore", "apollo_mini", "muon", "lowrank")
+#: Speed targets printed beside the figures: compiled / eager, and compiled method / compiled AdamW.
+COMPILE_TARGET = 1.15
+VS_ADAMW_TARGET = {"galore": 0.90, "apollo_mini": 0.95, "muon": 0.85}
+EXACT = ("weights", "gradients", "optimizer_state")
+PEAK_TOLERANCE = 0.05
+
+
+@dataclass(frozen=True)
+class Scale:
+    """The shapes and step counts of one mode (the GPU check, or the CPU smoke)."""
+
+    device: str
+    numerics_steps: int
+    numerics_over: tuple[str, ...]
+    numerics_restart_every: int  # a recipe with restarts restarts this often (within the steps)
+    model_dir: str  # recipes/<model_dir>/<method>.yaml for memory and speed
+    seq_len: int
+    batches: tuple[int, ...]  # candidates, largest first
+    memory_fraction: float
+    vocab: int
+    warmup: int
+    timed: int
+    hf_model_dir: str
+    hf_batch: int
+    hf_steps: int
+    hf_vocab: int
+
+
+FULL = Scale(
+    device="cuda",
+    numerics_steps=5,
+    numerics_over=("data.seq_len=64", "train.batch_size=4", "optim.update_proj_gap=2"),
+    numerics_restart_every=3,
+    model_dir="llama_1b",
+    seq_len=256,
+    batches=(64, 32, 16, 8, 4, 2, 1),
+    memory_fraction=0.85,
+    vocab=32000,
+    warmup=3,
+    timed=10,
+    hf_model_dir="llama_350m",
+    hf_batch=32,
+    hf_steps=12,
+    hf_vocab=8192,
+)
+SMOKE = dataclasses.replace(
+    FULL,
+    device="cpu",
+    numerics_steps=2,
+    numerics_over=("data.seq_len=16", "train.batch_size=2", "optim.update_proj_gap=2"),
+    numerics_restart_every=2,
+    model_dir="tiny",
+    seq_len=16,
+    batches=(2,),
+    vocab=512,
+    warmup=1,
+    timed=2,
+    hf_model_dir="tiny",
+    hf_batch=2,
+    hf_steps=4,
+    hf_vocab=512,
+)
+
+
+class Skipped(Exception):
+    """A case or section that cannot run here (a missing package): reported, not a failure."""
+
+
+class Budget:
+    """Wall-clock budget of the whole check: a case starts only with enough time left."""
+
+    def __init__(self, seconds: float):
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def allows(self, cost_s: float) -> bool:
+        return self.left() >= cost_s
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def free(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def needs_package(err: ImportError) -> Skipped:
+    """The skip of a case whose package is missing, naming it (our own ImportErrors name it)."""
+    if err.name:
+        return Skipped(f"needs {err.name} (not installed)")
+    return Skipped(str(err).splitlines()[0])
+
+
+def run_cases(
+    cases: list[tuple[str, float, Callable[[], dict[str, Any]]]], budget: Budget
+) -> list[dict[str, Any]]:
+    """Runs (label, expected seconds, case) in order: each gives a row, or a row saying it was
+    skipped (with why), not reached (the budget), or failed (the error's last line)."""
+    rows = []
+    for label, cost, case in cases:
+        if not budget.allows(cost):
+            rows.append({"case": label, "status": "not reached", "note": f"{budget.left():.0f} s left"})
+            continue
+        log(f"  {label}")
+        t0 = time.monotonic()
+        try:
+            row = {"case": label, "status": "ok", **case()}
+        except Skipped as e:
+            row = {"case": label, "status": "skipped", "note": str(e)}
+        except ImportError as e:
+            row = {"case": label, "status": "skipped", "note": str(needs_package(e))}
+        except Exception as e:  # a failure is reported and the check goes on
+            traceback.print_exc(file=sys.stderr)
+            row = {"case": label, "status": "failed", "note": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+        row["seconds"] = round(time.monotonic() - t0, 1)
+        rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# a. numerics: the device against the CPU
+
+
+def _five_steps(cfg: Any, device: str, steps: int, vocab: int) -> tuple[dict[str, torch.Tensor], float, bool]:
+    """`steps` steps of `cfg`'s model and optimizer on `device` from the seeded initial weights
+    and the same batches: final weights (on the CPU), last loss, and whether any state is uint8."""
+    from effpretrain.optim_setup import build_optimizer_and_schedule
+    from effpretrain.run_model import build_run_model, make_train_step, place_model, synthetic_batch
+
+    torch.manual_seed(cfg.train.seed)  # as the trainer seeds: surgery and restarts draw from it
+    model, _ = build_run_model(cfg, vocab)
+    model = place_model(model, cfg, device, 0)
+    opt, sched = build_optimizer_and_schedule(model, cfg)
+    counter = iter(range(10**6))
+    step = make_train_step(
+        model, opt, cfg, lambda k: synthetic_batch(cfg, vocab, next(counter), device), sched=sched
+    )
+    loss = math.nan
+    for _ in range(steps):
+        loss = step()
+    inner = getattr(opt, "optimizer", opt)
+    quantized = any(
+        isinstance(v, torch.Tensor) and v.dtype == torch.uint8
+        for st in inner.state.values()
+        for v in st.values()
+    )
+    weights = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    return weights, loss, quantized
+
+
+def numerics_case(recipe: str, scale: Scale) -> dict[str, Any]:
+    cfg = load_config(RECIPES / "tiny" / f"{recipe}.yaml", [*scale.numerics_over, "train.precision=fp32"])
+    if cfg.restarts.every:
+        cfg.restarts.every = scale.numerics_restart_every
+    ref, ref_loss, _ = _five_steps(cfg, "cpu", scale.numerics_steps, scale.vocab)
+    got, loss, quantized = _five_steps(cfg, scale.device, scale.numerics_steps, scale.vocab)
+    worst = max(float((got[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-12)) for k in ref)
+    loss_rel = abs(loss - ref_loss) / abs(ref_loss)
+    return {
+        "worst_weight_rel_diff": worst,
+        "loss_rel_diff": loss_rel,
+        "state_8bit": quantized,
+        # 8-bit state: code flips between devices move the weights, the loss stays within 1%.
+        "within_target": loss_rel <= 0.01 if quantized else None,
+    }
+
+
+def numerics_recipes() -> list[str]:
+    """Every registered optimizer and factor kind, by the tiny recipe that covers it."""
+    from effpretrain.run_model import registry_recipes
+
+    return registry_recipes(RECIPES / "tiny")
+
+
+def section_numerics(scale: Scale, budget: Budget) -> list[dict[str, Any]]:
+    return run_cases([(n, 5.0, lambda n=n: numerics_case(n, scale)) for n in numerics_recipes()], budget)
+
+
+# ----------------------------------------------------------------------------------------------
+# b. memory at 1B: measured by category against the estimate
+
+
+def device_bytes(device: str) -> int:
+    from effpretrain.memory_measure import device_memory_limit
+
+    return device_memory_limit(torch.device(device))[0]
+
+
+def paper_config(method: str, scale: Scale, batch: int, extra: tuple[str, ...] = ()) -> Any:
+    over = [
+        f"data.seq_len={scale.seq_len}",
+        f"train.batch_size={batch}",
+        "train.grad_accum=1",
+        "data.shuffle_buffer=0",
+        *extra,
+    ]
+    if scale is SMOKE:
+        over.append("train.precision=bf16-pure")
+    return load_config(RECIPES / scale.model_dir / f"{method}.yaml", over)
+
+
+def fitting_batch(scale: Scale, methods: tuple[str, ...]) -> int:
+    """The largest candidate batch whose estimated peak fits every method in the device share."""
+    from effpretrain.memory import estimate_from_config
+
+    room = scale.memory_fraction * device_bytes(scale.device)
+    for b in scale.batches:
+        peaks = [estimate_from_config(paper_config(m, scale, b), scale.vocab).peak for m in methods]
+        if max(peaks) <= room:
+            return b
+    return scale.batches[-1]
+
+
+def memory_case(method: str, scale: Scale, batch: int, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    from effpretrain.memory import estimate_from_config
+    from effpretrain.memory_measure import measure_run
+
+    cfg = paper_config(method, scale, batch, extra)
+    est = estimate_from_config(cfg, scale.vocab)
+    try:
+        steps = measure_run(cfg, scale.vocab, steps=2, device=scale.device)
+    finally:
+        free(scale.device)
+    measured = {c: max(int(s[c]) for s in steps) for c in (*EXACT, "activations", "peak")}
+    estimated = {
+        "weights": est.weights,
+        "gradients": est.grads,
+        "optimizer_state": est.optimizer_state,
+        "activations": est.activations,
+        "peak": est.peak,
+    }
+    flags = [c for c in EXACT if measured[c] != estimated[c]]
+    if abs(measured["peak"] / estimated["peak"] - 1) > PEAK_TOLERANCE:
+        flags.append("peak")
+    return {
+        "batch": batch,
+        "measured": measured,
+        "estimated": estimated,
+        "ratio": {c: measured[c] / estimated[c] if estimated[c] else None for c in measured},
+        "phase_at_peak": max(steps, key=lambda s: s["peak"])["phase_at_peak"],
+        "flags": flags,
+    }
+
+
+def section_memory(scale: Scale, budget: Budget) -> list[dict[str, Any]]:
+    batch = fitting_batch(scale, ("adamw",))
+    log(f"  batch {batch} (sequence {scale.seq_len})")
+    cases = [(m, 30.0, lambda m=m: memory_case(m, scale, batch)) for m in MEMORY_METHODS]
+    cases.append(
+        (
+            "galore_8bit+in_backward+checkpointing",
+            30.0,
+            lambda: memory_case("galore_8bit", scale, batch, IN_BACKWARD),
+        )
+    )
+    return run_cases(cases, budget)
+
+
+# ----------------------------------------------------------------------------------------------
+# c. speed: tokens/s and MFU, eager and compiled
+
+
+@contextlib.contextmanager
+def timed_optimizer(opt: Any, device: str, seconds: list[float]) -> Iterator[None]:
+    """Records each ``opt.step()``'s wall time (synchronised before and after on CUDA)."""
+    inner_step = opt.step
+
+    def step(*a: Any, **kw: Any) -> Any:
+        sync(device)
+        t0 = time.perf_counter()
+        out = inner_step(*a, **kw)
+        sync(device)
+        seconds.append(time.perf_counter() - t0)
+        return out
+
+    opt.step = step
+    try:
+        yield
+    finally:
+        del opt.step
+
+
+def speed_case(method: str, scale: Scale, batch: int, compiled: bool) -> dict[str, Any]:
+    from effpretrain.compile import compile_seconds
+    from effpretrain.optim_setup import build_optimizer_and_schedule, opt_telemetry
+    from effpretrain.run_model import build_run_model, make_train_step, place_model, synthetic_batch
+
+    cfg = paper_config(method, scale, batch, (f"train.compile={str(compiled).lower()}",))
+    model, _ = build_run_model(cfg, scale.vocab)
+    model = place_model(model, cfg, scale.device, 0)
+    opt, sched = build_optimizer_and_schedule(model, cfg)
+    mb = synthetic_batch(cfg, scale.vocab, 0, scale.device)
+    step = make_train_step(model, opt, cfg, lambda k: mb, sched=sched)
+    before = compile_seconds()
+    opt_s: list[float] = []
+    times = []
+    try:
+        with timed_optimizer(opt, scale.device, opt_s):
+            for _ in range(scale.warmup + scale.timed):
+                sync(scale.device)
+                t0 = time.perf_counter()
+                step()
+                sync(scale.device)
+                times.append(time.perf_counter() - t0)
+        tel = opt_telemetry(opt)
+    finally:
+        del model, opt, sched
+        free(scale.device)
+    steady = statistics.median(times[scale.warmup :])
+    tokens_per_s = batch * scale.seq_len / steady
+    per_token = flops.run_flops_per_token(cfg, scale.vocab)
+    peak, _ = flops.peak_flops(torch.device(scale.device), cfg.train.peak_tflops)
+    refresh = None
+    if tel.get("opt/refreshes"):  # one refresh's time over the steps between refreshes
+        refresh = tel["opt/refresh_s"] / tel["opt/refreshes"] / cfg.optim.update_proj_gap
+    return {
+        "batch": batch,
+        "compiled": compiled,
+        "step_s": steady,
+        "first_step_s": times[0],
+        "compile_s": compile_seconds() - before,
+        "tokens_per_s": tokens_per_s,
+        "mfu": flops.mfu(per_token * tokens_per_s, peak),
+        "optimizer_share": statistics.median(opt_s[scale.warmup :]) / steady,
+        "refresh_amortised_s": refresh,
+    }
+
+
+def speed_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """compiled / eager per method, and each compiled method / compiled AdamW, beside the targets."""
+    tps = {
+        (r["case"].split(" ")[0], r.get("compiled")): r.get("tokens_per_s")
+        for r in rows
+        if r["status"] == "ok"
+    }
+    out = []
+    for m in SPEED_METHODS:
+        eager, comp, base = tps.get((m, False)), tps.get((m, True)), tps.get(("adamw", True))
+        out.append(
+            {
+                "method": m,
+                "compiled_vs_eager": comp / eager if comp and eager else None,
+                "compiled_vs_eager_target": COMPILE_TARGET,
+                "vs_compiled_adamw": comp / base if comp and base else None,
+                "vs_compiled_adamw_target": VS_ADAMW_TARGET.get(m),
+            }
+        )
+    return out
+
+
+def section_speed(scale: Scale, budget: Budget) -> list[dict[str, Any]]:
+    batch = fitting_batch(scale, ("adamw",))
+    cases = [
+        (
+            f"{m} {'compiled' if c else 'eager'}",
+            45.0 if c else 20.0,
+            lambda m=m, c=c: speed_case(m, scale, batch, c),
+        )
+        for m in SPEED_METHODS
+        for c in (False, True)
+    ]
+    return run_cases(cases, budget)
+
+
+# ----------------------------------------------------------------------------------------------
+# d. the HF Trainer's GaLore against effpretrain's, side by side
+
+
+def _reset_accelerate() -> None:
+    """Accelerate keeps one process-wide state; each trainer here builds its own."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def _peak_bytes(device: str) -> int | None:
+    return int(torch.cuda.max_memory_allocated()) if device == "cuda" else None
+
+
+def _reset_peak(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def ours_galore(cfg: Any, out: Path, device: str) -> dict[str, Any]:
+    from effpretrain.trainer import train
+
+    _reset_accelerate()
+    _reset_peak(device)
+    train(cfg, out)
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rates = [r["tokens_per_s"] for r in steps if "tokens_per_s" in r and r.get("step", 0) > 2]
+    return {"tokens_per_s": statistics.median(rates), "peak_bytes": _peak_bytes(device)}
+
+
+def hf_galore(
+    cfg: Any, rows: list[dict[str, torch.Tensor]], vocab: int, out: Path, device: str
+) -> dict[str, Any]:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from effpretrain.config import ATTN_MLP_TARGETS
+    from effpretrain.models import build_model
+
+    _reset_accelerate()
+    model = build_model(cfg.model.preset, vocab, cfg.data.seq_len, seed=cfg.train.seed)
+    model = model.to(torch.bfloat16).to(device)  # pure bf16, as the effpretrain run
+    o, t = cfg.optim, cfg.train
+    args = TrainingArguments(
+        output_dir=str(out),
+        use_cpu=device == "cpu",
+        report_to=[],
+        max_steps=t.max_steps,
+        per_device_train_batch_size=t.batch_size,
+        learning_rate=o.lr,
+        weight_decay=o.weight_decay,
+        lr_scheduler_type="cosine",
+        warmup_steps=int(t.warmup_ratio * t.max_steps),
+        max_grad_norm=t.grad_clip,
+        optim="galore_adamw",
+        optim_target_modules=list(ATTN_MLP_TARGETS),
+        optim_args=f"rank={o.rank}, update_proj_gap={o.update_proj_gap}, scale={o.scale}",
+        save_strategy="no",
+        logging_steps=10**6,
+        disable_tqdm=True,
+        seed=t.seed,
+    )
+
+    class StepClock(TrainerCallback):
+        """Times each optimizer step (synchronised on CUDA)."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.t0 = 0.0
+
+        def on_step_begin(self, *a: Any, **kw: Any) -> None:
+            sync(device)
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a: Any, **kw: Any) -> None:
+            sync(device)
+            self.times.append(time.perf_counter() - self.t0)
+
+    clock = StepClock()
+    _reset_peak(device)
+    Trainer(model=model, args=args, train_dataset=rows, callbacks=[clock]).train()
+    rates = [t.batch_size * cfg.data.seq_len / s for s in clock.times[2:]]
+    return {"tokens_per_s": statistics.median(rates), "peak_bytes": _peak_bytes(device)}
+
+
+def section_hf(scale: Scale, budget: Budget, scratch: Path) -> list[dict[str, Any]]:
+    try:
+        import galore_torch  # noqa: F401  (transformers' optim="galore_adamw" imports it)
+    except ImportError as e:
+        raise needs_package(e) from None
+    from effpretrain import data as data_mod
+
+    over = [
+        "data.source=builtin",
+        "data.tokenizer=builtin-bpe",
+        f"data.vocab_size={scale.hf_vocab}",
+        "data.mode=pack",
+        f"data.seq_len={scale.seq_len}",
+        f"train.batch_size={scale.hf_batch}",
+        "train.grad_accum=1",
+        f"train.max_steps={scale.hf_steps}",
+        "train.eval_every=0",
+        "train.eval_tokens=512",
+        "train.memory_steps=[]",
+        "train.log_every=1",
+        "train.save_every=0",
+        "train.plot=false",
+        "train.precision=bf16-pure",
+        "train.loss=standard",  # the HF model's own loss, as the Trainer computes it
+    ]
+    cfg = load_config(RECIPES / scale.hf_model_dir / "galore.yaml", over)
+    corpus = data_mod.load_corpus(cfg.data)
+    tok = data_mod.load_tokenizer(cfg.data, corpus)
+    stream = data_mod.TokenStream.from_config(corpus, tok, cfg.data, 0, 1)
+    batches = data_mod.Batches(stream, cfg.train.batch_size, 1, 0, 1, vocab_size=tok.vocab_size)
+    rows = []
+    while len(rows) < cfg.train.batch_size * (cfg.train.max_steps + 1):
+        (mb,), _ = batches.next_step()
+        rows += [{"input_ids": r, "labels": r.clone()} for r in mb["input_ids"]]
+    results: dict[str, list[dict[str, Any]]] = {"hf": [], "ours": []}
+    cases = []
+    for i in range(2):  # alternating: HF, ours, HF, ours
+        cases.append(
+            (
+                f"hf galore_adamw #{i + 1}",
+                60.0,
+                lambda i=i: _keep(
+                    results["hf"], hf_galore(cfg, rows, tok.vocab_size, scratch / f"hf{i}", scale.device)
+                ),
+            )
+        )
+        cases.append(
+            (
+                f"effpretrain galore #{i + 1}",
+                60.0,
+                lambda i=i: _keep(results["ours"], ours_galore(cfg, scratch / f"ours{i}", scale.device)),
+            )
+        )
+    out = run_cases(cases, budget)
+    if results["hf"] and results["ours"]:
+        hf_tps = statistics.mean(r["tokens_per_s"] for r in results["hf"])
+        our_tps = statistics.mean(r["tokens_per_s"] for r in results["ours"])
+        hf_peak = [r["peak_bytes"] for r in results["hf"] if r["peak_bytes"]]
+        our_peak = [r["peak_bytes"] for r in results["ours"] if r["peak_bytes"]]
+        out.append(
+            {
+                "case": "effpretrain / HF",
+                "status": "ok",
+                "tokens_per_s_ratio": our_tps / hf_tps,
+                "peak_memory_ratio": max(our_peak) / max(hf_peak) if hf_peak and our_peak else None,
+                "batch": cfg.train.batch_size,
+                "rank": cfg.optim.rank,
+                "update_proj_gap": cfg.optim.update_proj_gap,
+            }
+        )
+    return out
+
+
+def _keep(into: list[dict[str, Any]], row: dict[str, Any]) -> dict[str, Any]:
+    into.append(row)
+    return row
+
+
+# ----------------------------------------------------------------------------------------------
+# Files: JSON rows and a markdown table per section, with their provenance
+
+
+def provenance(device: str) -> dict[str, Any]:
+    import datetime as dt
+
+    from effpretrain.reporting import device_name
+
+    return {
+        "commit": git_commit(),
+        "device": device_name(torch.device(device)),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    if isinstance(v, dict):
+        return ", ".join(f"{k} {_cell(x)}" for k, x in v.items())
+    if isinstance(v, list):
+        return ", ".join(map(str, v)) or "-"
+    return str(v)
+
+
+def _table(rows: list[dict[str, Any]]) -> list[str]:
+    cols: list[str] = []
+    for r in rows:
+        cols += [k for k in r if k not in cols and k not in ("measured", "estimated")]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    return lines + ["| " + " | ".join(_cell(r.get(c)) for c in cols) + " |" for r in rows]
+
+
+def markdown(section: str, prov: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """The section's rows as tables (one per run of rows of the same kind: cases, then ratios)."""
+    head = f"### {section}\n\n{prov['device']}; commit {prov['commit']}; torch {prov['torch']}, CUDA {prov['cuda']}\n"
+    groups: list[list[dict[str, Any]]] = []
+    for r in rows:
+        kind = r["case"].split(" ")[0] == "ratios"
+        if not groups or (groups[-1][0]["case"].split(" ")[0] == "ratios") != kind:
+            groups.append([])
+        groups[-1].append(r)
+    return head + "".join("\n" + "\n".join(_table(g)) + "\n" for g in groups)
+
+
+def write_section(out: Path, section: str, prov: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{section}.json").write_text(json.dumps({**prov, "section": section, "rows": rows}, indent=2))
+    (out / f"{section}.md").write_text(markdown(section, prov, rows))
+
+
+README_START, README_END = "<!-- gpu-check:start", "<!-- gpu-check:end -->"
+RESULTS = ROOT / "benchmarks" / "results" / "gpu-check"
+
+
+def render_results(results: Path = RESULTS) -> str:
+    """The README's "On a GPU" results: every section's tables, rendered again from its committed
+    JSON (never typed), or a line saying that no GPU run is committed yet."""
+    parts = []
+    for section in SECTIONS:
+        path = results / f"{section}.json"
+        if path.is_file():
+            saved = json.loads(path.read_text())
+            prov = {k: saved.get(k) for k in ("commit", "device", "torch", "cuda")}
+            parts.append(markdown(section, prov, saved["rows"]).replace("### ", "#### ", 1))
+    if not parts:
+        return "No GPU run is committed yet: `benchmarks/results/gpu-check/` is empty.\n"
+    return "\n".join(parts)
+
+
+def update_readme(readme: Path = ROOT / "README.md", results: Path = RESULTS) -> bool:
+    """Replaces the text between README's gpu-check markers with `render_results`; returns whether
+    the file changed. A missing marker is bad input (nothing is written)."""
+    text = readme.read_text()
+    start = text.find(README_START)
+    end = text.find(README_END, start + 1) if start >= 0 else -1
+    if start < 0 or end < 0:
+        raise SystemExit(
+            f"gpu_check: error: {readme} lacks the markers '{README_START} -->' and '{README_END}'"
+        )
+    body = text.index("\n", start) + 1
+    new = text[:body] + render_results(results) + text[end:]
+    if new != text:
+        readme.write_text(new)
+    return new != text
+
+
+def run_section(section: str, scale: Scale, budget: Budget, scratch: Path) -> list[dict[str, Any]]:
+    log(f"{section}:")
+    try:
+        if section == "numerics":
+            return section_numerics(scale, budget)
+        if section == "memory":
+            return section_memory(scale, budget)
+        if section == "speed":
+            rows = section_speed(scale, budget)
+            return rows + [{"case": f"ratios {r['method']}", "status": "ok", **r} for r in speed_ratios(rows)]
+        return section_hf(scale, budget, scratch)
+    except Skipped as e:
+        log(f"  skipped: {e}")
+        return [{"case": section, "status": "skipped", "note": str(e)}]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--out", type=Path, default=None, help="results folder (default benchmarks/results/gpu-check)"
+    )
+    p.add_argument(
+        "--budget-s", type=float, default=420.0, help="wall-clock budget; cases past it are listed"
+    )
+    p.add_argument(
+        "--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {', '.join(SECTIONS)}"
+    )
+    p.add_argument("--smoke", action="store_true", help="every section at tiny scale on the CPU")
+    p.add_argument(
+        "--readme", action="store_true", help="only render README's results section from the committed JSON"
+    )
+    args = p.parse_args(argv)
+    args.sections = [s for s in args.sections.split(",") if s]
+    bad = [s for s in args.sections if s not in SECTIONS]
+    if bad:
+        p.error(f"--sections: {', '.join(bad)} not among {', '.join(SECTIONS)}")
+    if args.budget_s <= 0:
+        p.error("--budget-s must be > 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    import tempfile
+
+    args = parse_args(argv)
+    if args.readme:
+        print("README.md " + ("updated" if update_readme() else "unchanged"))
+        return 0
+    scale = SMOKE if args.smoke else FULL
+    if scale.device == "cuda" and not torch.cuda.is_available():
+        print(
+            "gpu_check: error: no CUDA device (use --smoke for the CPU run of every section)", file=sys.stderr
+        )
+        return 2
+    out = args.out or (ROOT / "runs" / "gpu-check-smoke" if args.smoke else RESULTS)
+    budget, prov = Budget(args.budget_s), provenance(scale.device)
+    log(f"gpu_check on {prov['device']} (commit {prov['commit']}), budget {args.budget_s:.0f} s")
+    failed = False
+    with tempfile.TemporaryDirectory() as scratch:
+        for section in args.sections:
+            rows = run_section(section, scale, budget, Path(scratch))
+            write_section(out, section, prov, rows)
+            failed |= any(r["status"] == "failed" for r in rows)
+    summary = "\n".join((out / f"{s}.md").read_text() for s in args.sections)
+    (out / "summary.md").write_text(summary)
+    print(summary)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
