@@ -155,6 +155,9 @@ def test_checkpointed_compiled_blocks_recompute():
             saved[every][compiled] = _saved_activation_bytes(model)
     print(dict(saved))
     assert saved[1][True] < 0.5 * saved[0][True]
+    # Inductor's partitioner saves no more than eager autograd does (it recomputes cheap ops), so
+    # the estimator's eager activation count bounds a compiled run's from above.
+    assert saved[0][True] <= saved[0][False]
     assert saved[1][True] <= saved[1][False] + 4 * 8192  # the RNG states the checkpoints keep
 
 
