@@ -148,6 +148,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args) -> int:
+    from effpretrain.checkpoint import CheckpointWriteError
     from effpretrain.config import load_config
     from effpretrain.signals import RunInterrupted
     from effpretrain.trainer import NonFiniteError, train
@@ -162,6 +163,9 @@ def cmd_train(args) -> int:
     except NonFiniteError as e:
         print(f"effpretrain: training stopped: {e}", file=sys.stderr)
         return 3
+    except CheckpointWriteError as e:
+        print(f"effpretrain: error: {e}", file=sys.stderr)
+        return e.EXIT_CODE
     except RunInterrupted as e:
         print(f"effpretrain: {e}", file=sys.stderr)
         return e.exit_code

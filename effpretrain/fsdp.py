@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from effpretrain.checkpoint import load_model_weights
+from effpretrain.checkpoint import load_model_weights, unwrap_dcp
 from effpretrain.errors import ConfigError
 from optimizers._sharded import local, sum_squares_fp64
 
@@ -288,11 +288,7 @@ def load_sharded(
 
 def dcp_error(e: BaseException) -> str:
     """One line for an error out of DCP: the first failing rank's own exception, not the wrapper."""
-    failures = getattr(e, "failures", None)
-    if failures:
-        rank, wrapped = next(iter(failures.items()))
-        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-        e = inner
+    e = unwrap_dcp(e)
     msg = str(e).splitlines()[0] if str(e) else type(e).__name__
     return msg[:160]
 

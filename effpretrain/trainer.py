@@ -45,6 +45,7 @@ __all__ = [
     "Progress",
     "Trainer",
     "check_launch",
+    "due",
     "evaluate_checkpoint",
     "memory_steps",
     "train",
@@ -106,6 +107,7 @@ class Trainer:
         self.memory_records: list[list[dict[str, Any]]] = []
         self._measured: dict[str, Any] | None = None  # this step's, until it is reported
         self._saved_step: int | None = None  # the step whose checkpoint this run wrote or resumed
+        self._evaluated_step: int | None = None  # the step this run last evaluated
         if self.resume_path is not None:
             self._load(self.resume_path, allow_config_change)
         self._end_warm_start_if_due()  # a run resumed past its switch trains the factors
@@ -438,18 +440,19 @@ class Trainer:
         )
 
     def _maybe_evaluate(self, report: RunReport) -> EvalResult | None:
-        """Evaluates every `train.eval_every` steps and at the last one; None when it did not."""
-        p, t = self.progress, self.cfg.train
-        if not t.eval_every or (p.step % t.eval_every and p.step != t.max_steps):
+        """Evaluates when `due` (every `train.eval_every` steps and at the last); None otherwise."""
+        p = self.progress
+        if not due(self.cfg.train.eval_every, p.step, self.cfg.train.max_steps):
             return None
         val = self.evaluate()
+        self._evaluated_step = p.step
         report.write({"event": "eval", "step": p.step, "tokens": p.tokens, **val.record()})
         report.note(f"step {p.step}: val_loss {val.loss:.4f}  val_ppl {val.ppl:.2f}")
         return val
 
     def _maybe_save(self) -> None:
-        p, t = self.progress, self.cfg.train
-        if t.save_every and p.step % t.save_every == 0 and p.step < t.max_steps:
+        """Saves when `due` (every `train.save_every` steps and at the last)."""
+        if due(self.cfg.train.save_every, self.progress.step, self.cfg.train.max_steps):
             self.save()
 
     def _stop_on_signal(self, signum: int | None) -> dict[str, Any]:
@@ -461,11 +464,13 @@ class Trainer:
         return {"stopped_by_signal": signum, "step": self.progress.step}
 
     def _finish(self, report: RunReport, clock: RunClock, last_val: EvalResult | None) -> dict[str, Any]:
-        """Final evaluation (unless the last step had one), final checkpoint, summary."""
-        p, t = self.progress, self.cfg.train
-        if last_val is None or (t.eval_every and p.step % t.eval_every and p.step):
+        """Final evaluation and checkpoint (unless the loop's last step had them: a resume at
+        `train.max_steps` has neither), summary."""
+        p = self.progress
+        if last_val is None or self._evaluated_step != p.step:
             last_val = self.evaluate()
-        self.save()
+        if self._saved_step != p.step:
+            self.save()
         summary = build_summary(
             self.cfg,
             self.acc,
@@ -634,44 +639,66 @@ class Trainer:
         return {"ranks": states}
 
     def save(self) -> Path | None:
-        self._saved_step = self.progress.step
-        self.acc.wait_for_everyone()
-        path = None
-        trainer_state = self._trainer_state()
-        root = self.out / "checkpoints"
-        if self.fsdp:
-            # Every rank writes its own shards into rank 0's temporary folder (DCP); rank 0 then
-            # adds trainer.pt (with the optimizer's non-tensor skeleton) and commits the folder.
-            import torch.distributed as dist
+        """Writes this step's checkpoint (every process takes part; rank 0 commits it) and returns
+        its folder on rank 0.
 
-            box = [str(ckpt.temp_folder(root, self.progress.step)) if self.is_main else None]
-            dist.broadcast_object_list(box, src=0)
-            tmp = Path(box[0])
-            trainer_state["optimizer_skeleton"] = fsdp.save_sharded(tmp / "dcp", self.model, self.inner_opt)
-            self.acc.wait_for_everyone()
+        Raises:
+            effpretrain.checkpoint.CheckpointWriteError: on every rank, when any rank's write
+                failed (no space left, an I/O error); the partial folder is gone, the earlier
+                checkpoints are untouched.
+        """
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        self.acc.wait_for_everyone()
+        step, root = self.progress.step, self.out / "checkpoints"
+        path, cause = None, None
+        try:
+            path = self._write_checkpoint(root, step)
+        except (OSError, CheckpointException) as e:  # (DCP's wrapper is a BaseException)
+            cause = ckpt.write_error_cause(e)
+        # Every rank learns of any rank's failure, so none waits for a checkpoint that never comes.
+        cause = next((c for c in self._gather_small(cause) if c is not None), None)
+        if cause is not None:
             if self.is_main:
-                path = ckpt.save_checkpoint(
-                    root,
-                    self.progress.step,
-                    trainer_state=trainer_state,
-                    config_yaml=dump_yaml(self.cfg),
-                    keep=self.cfg.train.keep_checkpoints,
-                    tmp=tmp,
-                )
-        elif self.is_main:
-            path = ckpt.save_checkpoint(
-                root,
-                self.progress.step,
-                model_state=self.acc.unwrap_model(self.model).state_dict(),
-                optimizer_state=self.inner_opt.state_dict(),
-                trainer_state=trainer_state,
-                config_yaml=dump_yaml(self.cfg),
-                keep=self.cfg.train.keep_checkpoints,
-            )
+                ckpt.discard_temp(root, step)  # FSDP2's shared folder (a whole write cleans its own)
+            newest = ckpt.complete_checkpoints(root)
+            raise ckpt.CheckpointWriteError(root / f"step-{step}", cause, newest[-1] if newest else None)
+        self._saved_step = step
         if path is not None:
             log.info("saved checkpoint %s", path)
         self.acc.wait_for_everyone()
         return path
+
+    def _write_checkpoint(self, root: Path, step: int) -> Path | None:
+        """This rank's part of checkpoint `step`: FSDP2's shards from every rank into rank 0's
+        temporary folder (DCP), then rank 0 adds trainer.pt (with the optimizer's non-tensor
+        skeleton) and commits; otherwise rank 0 writes the whole model and optimizer."""
+        trainer_state = self._trainer_state()
+        config_yaml, keep = dump_yaml(self.cfg), self.cfg.train.keep_checkpoints
+        if self.fsdp:
+            import torch.distributed as dist
+
+            box = [str(ckpt.temp_folder(root, step)) if self.is_main else None]
+            dist.broadcast_object_list(box, src=0)
+            tmp = Path(box[0])
+            trainer_state["optimizer_skeleton"] = fsdp.save_sharded(tmp / "dcp", self.model, self.inner_opt)
+            self.acc.wait_for_everyone()
+            if not self.is_main:
+                return None
+            return ckpt.save_checkpoint(
+                root, step, trainer_state=trainer_state, config_yaml=config_yaml, keep=keep, tmp=tmp
+            )
+        if not self.is_main:
+            return None
+        return ckpt.save_checkpoint(
+            root,
+            step,
+            model_state=self.acc.unwrap_model(self.model).state_dict(),
+            optimizer_state=self.inner_opt.state_dict(),
+            trainer_state=trainer_state,
+            config_yaml=config_yaml,
+            keep=keep,
+        )
 
     def _check_compatible(self, saved: dict[str, Any], allow: bool) -> None:
         now = to_dict(self.cfg)
@@ -756,6 +783,12 @@ class Trainer:
                 f"has {self.world}; a streamed source resumes with the same number of processes"
             )
         self.stream.load_state_dict(saved["ranks"][self.rank])
+
+
+def due(every: int, step: int, max_steps: int) -> bool:
+    """The one cadence of the loop's periodic events (evaluation, checkpoint): every `every` steps
+    (0: none on the way) and at the last step, once."""
+    return step == max_steps or (every > 0 and step % every == 0)
 
 
 def memory_steps(cfg: RunConfig) -> list[int]:

@@ -148,3 +148,24 @@ def test_activation_checkpointing_same_gradients(tiny_overrides):
         s.backward()
         grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))
     assert torch.allclose(grads[0], grads[1], atol=1e-6) and torch.allclose(grads[0], grads[2], atol=1e-6)
+
+
+def test_last_step_off_the_eval_cadence_is_evaluated_once(tmp_path, tiny_overrides, monkeypatch):
+    """max_steps 7 with eval_every 3: evaluations at steps 3, 6 and 7, each once (the last step
+    was evaluated twice before: by the loop and again by the final evaluation)."""
+    from effpretrain.trainer import Trainer
+
+    calls, real = [], Trainer.evaluate
+
+    def counting(self):
+        calls.append(self.progress.step)
+        return real(self)
+
+    monkeypatch.setattr(Trainer, "evaluate", counting)
+    over = tiny_overrides + ["train.max_steps=7", "train.eval_every=3", "train.save_every=3"]
+    train(load_config(ROOT / "recipes" / "tiny" / "adamw.yaml", over), tmp_path / "run")
+    assert calls == [3, 6, 7]
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e.get("event") == "eval"] == [3, 6, 7]
+    # The same cadence saves: steps 3, 6 and the last, once each (the newest two are kept).
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-6", "step-7"]
