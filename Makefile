@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv train test lint format clean gpu-wheels
+.PHONY: venv train test test-fast lint docs format clean gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,6 +24,17 @@ train: $(STAMP)
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
 
+# The edit-test loop: unit tests and the in-process runs of one method per family (markers in
+# tests/conftest.py), every module touched; the whole suite stays `make test`.
+test-fast: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile -m fast $(PYTEST_ARGS)
+
+# The generated reference pages, then the site; strict: a broken link or a page missing from the
+# navigation fails the build.
+docs: $(STAMP)
+	$(BIN)/python -m effpretrain.reference
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
 lint: $(STAMP)
 	$(BIN)/ruff check effpretrain optimizers tests benchmarks examples
 	$(BIN)/ruff format --check effpretrain optimizers tests benchmarks examples
@@ -40,4 +51,4 @@ gpu-wheels: $(STAMP)
 		-d .whl bitsandbytes galore-torch
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs site .pytest_cache

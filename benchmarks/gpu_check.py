@@ -688,7 +688,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "gpu-check"
 
 
 def render_results(results: Path = RESULTS) -> str:
-    """The README's "On a GPU" results: every section's tables, rendered again from its committed
+    """The docs' "On a GPU" results (docs/gpu.md): every section's tables, rendered again from its committed
     JSON (never typed), or a line saying that no GPU run is committed yet."""
     parts = []
     for section in SECTIONS:
@@ -702,9 +702,10 @@ def render_results(results: Path = RESULTS) -> str:
     return "\n".join(parts)
 
 
-def update_readme(readme: Path = ROOT / "README.md", results: Path = RESULTS) -> bool:
-    """Replaces the text between README's gpu-check markers with `render_results`; returns whether
-    the file changed. A missing marker is bad input (nothing is written)."""
+def update_readme(readme: Path = ROOT / "docs" / "gpu.md", results: Path = RESULTS) -> bool:
+    """Replaces the text between the gpu-check markers of the docs' "On a GPU" page with
+    `render_results`; returns whether the file changed. A missing marker is bad input (nothing is
+    written)."""
     text = readme.read_text()
     start = text.find(README_START)
     end = text.find(README_END, start + 1) if start >= 0 else -1
@@ -748,7 +749,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--smoke", action="store_true", help="every section at tiny scale on the CPU")
     p.add_argument(
-        "--readme", action="store_true", help="only render README's results section from the committed JSON"
+        "--readme", action="store_true", help="only render docs/gpu.md's results from the committed JSON"
     )
     args = p.parse_args(argv)
     args.sections = [s for s in args.sections.split(",") if s]
@@ -765,7 +766,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     if args.readme:
-        print("README.md " + ("updated" if update_readme() else "unchanged"))
+        print("docs/gpu.md " + ("updated" if update_readme() else "unchanged"))
         return 0
     scale = SMOKE if args.smoke else FULL
     if scale.device == "cuda" and not torch.cuda.is_available():

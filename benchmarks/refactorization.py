@@ -1,6 +1,6 @@
 """Times the QR-core refactorization against a full SVD of the dense product B A.
 
-Both compute the balanced split B' = U S^1/2, A' = S^1/2 V^T of W = B A (PAPER.md section 2.9):
+Both compute the balanced split B' = U S^1/2, A' = S^1/2 V^T of W = B A (the benchmark, Glentis et al. 2025):
 
 - qr-core (optimizers.refactorization.balanced_factors): thin QR of B (m x r) and A^T (n x r), SVD of
   the r x r core R_B R_A^T; O((m + n) r^2 + r^3), never forms the m x n product;

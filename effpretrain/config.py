@@ -162,7 +162,7 @@ class ModelConfig:
 
 @dataclass
 class FactorConfig:
-    """Model surgery: replace attention/MLP linears by factorized layers (PAPER.md 2.6-2.8)."""
+    """Model surgery: replace attention/MLP linears by factorized layers (docs/methods.md)."""
 
     kind: FactorKind = "none"
     """Factorization of the target linears; `none` trains the dense model."""
@@ -366,7 +366,7 @@ class TrainConfig:
 
 @dataclass
 class RestartsConfig:
-    """Weight refactorization and momentum reset every `every` steps (PAPER.md 2.9)."""
+    """Weight refactorization and momentum reset every `every` steps (the benchmark, Glentis et al. 2025)."""
 
     every: NonNegativeInt = 0
     """Steps between restarts (ReLoRA: merges); 0 disables."""

@@ -132,7 +132,7 @@ def _head_dim(model: torch.nn.Module) -> int:
 
 
 def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str, Any]]:
-    """Explicit rules (PAPER.md section 1): attention/MLP linear weights are projected for
+    """Explicit rules (docs/benchmark.md): attention/MLP linear weights are projected for
     projection methods; a whole-matrix method's weights (`MethodSpec.matrix_params`, e.g. Muon's
     attention/MLP weights, every matrix for SCALE) get ``matrix=True`` groups, one per role; every
     other matrix gets AdamW with weight decay; vectors (norms, biases) get no weight decay.

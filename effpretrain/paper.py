@@ -1,4 +1,4 @@
-"""The estimator beside the published memory table (PAPER.md sections 3 and 6): `leaderboard.py --paper`.
+"""The estimator beside the published memory table (the benchmark's published memory table, Glentis et al. 2025; docs/memory.md): `leaderboard.py --paper`.
 
 Every figure is computed from the paper-scale recipe that trains it, ``recipes/<size>/<method>.yaml``
 (its optimizer, rank, factorization, density and precision, through `effpretrain.config.load_config`),

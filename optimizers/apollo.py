@@ -1,7 +1,7 @@
 """APOLLO and APOLLO-Mini: SGD-like memory with Adam-like, structured learning-rate scaling.
 
 Zhu et al. 2024, "APOLLO: SGD-like Memory, AdamW-level Performance" (arXiv 2412.05270);
-PAPER.md section 2.5. Adam runs on a random low-rank projection R of the gradient only to
+Zhu et al. 2024 (APOLLO). Adam runs on a random low-rank projection R of the gradient only to
 estimate how Adam would rescale each channel (or the whole tensor); the raw gradient, rescaled
 by that estimate, is the update. The projection is a seeded Gaussian map regenerated from
 integers every step, so it is never stored.

@@ -1,4 +1,4 @@
-"""Fira: GaLore plus the scaled full-rank residual, with the norm-growth limiter (PAPER.md 2.4)."""
+"""Fira: GaLore plus the scaled full-rank residual, with the norm-growth limiter (Chen et al. 2024)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""GaLore: AdamW on the low-rank projection of each weight's gradient (PAPER.md 2.3)."""
+"""GaLore: AdamW on the low-rank projection of each weight's gradient (Zhao et al. 2024)."""
 
 from __future__ import annotations
 

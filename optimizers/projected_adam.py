@@ -389,7 +389,7 @@ class ComputedBasis:
 
 
 class SeededRandomBasis:
-    """Basis policy of ``basis="random"`` (APOLLO, PAPER.md 2.5): a Gaussian P with N(0, 1/r)
+    """Basis policy of ``basis="random"`` (APOLLO, Zhu et al. 2024): a Gaussian P with N(0, 1/r)
     entries, regenerated every step from integers and never stored (0 bytes).
 
     On a due refresh the stream moves to its next basis (`advance`) and k is counted; every step

@@ -1,6 +1,6 @@
 """Bases for gradient low-rank projection (GaLore, Fira, APOLLO): pure functions, torch only.
 
-Notation (PAPER.md 2.3): a weight W and its gradient G are m x n (out x in); r is the rank.
+Notation (Zhao et al. 2024): a weight W and its gradient G are m x n (out x in); r is the rank.
 
 * Right projection (used when m >= n): the basis P is r x n with orthonormal rows,
   R = G P^T is m x r and the way back is back(N) = N P.
@@ -29,7 +29,7 @@ Methods (`method` argument, the optimizers' ``basis`` group key):
   ``mix_seed(seed, refresh)``, so a basis is reproducible from
   (G, seed, refresh, prev). Defaults p = 8, q = 1: within 1% of the exact basis's captured
   energy on power-law spectra at a fraction of the SVD's cost (benchmarks/optimizer_step.py).
-* ``"random"``: APOLLO's projection (PAPER.md 2.5): i.i.d. N(0, 1/r) entries drawn from a
+* ``"random"``: APOLLO's projection (Zhu et al. 2024): i.i.d. N(0, 1/r) entries drawn from a
   generator seeded by ``mix_seed(seed, refresh)``. It is a Johnson-Lindenstrauss map
   (E[P^T P] = I for the right side), NOT orthonormal, and never needs storing: it is regenerated
   from (seed, refresh) on the gradient's device (CPU and CUDA generators give different streams).

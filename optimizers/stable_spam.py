@@ -4,7 +4,7 @@ SPAM (Huang et al. 2025, arXiv 2501.06842) clips gradient entries that spike far
 second moment, zeroes the moments every ΔT steps and re-warms the step size after each reset.
 Stable-SPAM (Huang et al. 2025, arXiv 2502.17055) replaces the fixed spike threshold by adaptive
 per-tensor statistics (an EMA of max|G| for element-wise clipping, EMAs of ||G|| and ||G||^2 for
-norm scaling), keeps the periodic reset and anneals beta1 over the run. PAPER.md section 2.2.
+norm scaling), keeps the periodic reset and anneals beta1 over the run. Huang et al. 2025; docs/methods.md (Stable-SPAM).
 
 Both keep all state per parameter (so DDP, Accelerate and the HF Trainer need nothing special)
 and hold only tensors and python ints. Under FSDP2 (DTensor parameters sharded across ranks) each
@@ -82,7 +82,7 @@ class StableSPAM(torch.optim.Optimizer):
 
     The default, ``rule="official"``, is the rule of the official code (TianjinYellow/StableSPAM,
     galore_torch/stablespam.py), which the benchmark ran unchanged (OptimAI-Lab/
-    Memory_Efficient_Pretraining, para_eff_pt/pt_stable_spam/stablespam.py); PAPER.md 2.2 and 5.
+    Memory_Efficient_Pretraining, para_eff_pt/pt_stable_spam/stablespam.py); See docs/methods.md (Stable-SPAM).
     For each parameter tensor with gradient G at global step t (1-based, counted per tensor),
     with Adam's step counter k (advanced first, k = t until the first reset) and the annealing
     factor s_t:

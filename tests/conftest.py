@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _common import TINY_OVERRIDES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "optimizers"))
 
@@ -23,16 +24,18 @@ def _cache_dir(tmp_path_factory):
     yield path
 
 
-TINY_OVERRIDES = [
-    "data.seq_len=32",
-    "data.vocab_size=512",
-    "train.batch_size=4",
-    "train.eval_tokens=256",
-    "train.log_every=5",
-    "train.plot=false",
-]
-
-
 @pytest.fixture
 def tiny_overrides():
     return list(TINY_OVERRIDES)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Kinds: a test not marked `run` or `multiprocess` is a `unit` test; `make test-fast` runs
+    the `fast` tier, every unit test and the runs marked `fast`."""
+    for item in items:
+        kinds = {m.name for m in item.iter_markers()} & {"run", "multiprocess"}
+        if not kinds:
+            item.add_marker(pytest.mark.unit)
+            item.add_marker(pytest.mark.fast)
+        elif "multiprocess" in kinds and item.get_closest_marker("fast"):
+            raise pytest.UsageError(f"{item.nodeid}: a multiprocess test cannot be in the fast tier")

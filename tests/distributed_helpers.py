@@ -3,13 +3,13 @@ how final weights are read and compared."""
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from _common import ROOT, child_env
 
 # 20 steps of the tiny recipes, a basis refresh every 5 and restarts every 7.
 COMMON = [
@@ -27,9 +27,6 @@ COMMON = [
     "restarts.recovery_steps=3",
     "optim.lr=1e-3",
 ]
-
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def registry_recipes() -> list[str]:
@@ -67,9 +64,7 @@ def run_worker_pair(worker_source: str, out: Path, tail: list[str], nproc: int =
     root = Path(__file__).resolve().parent.parent
     worker = out / "worker.py"
     worker.write_text(worker_source)
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")
-    )
+    env = child_env()
     torchrun = [
         sys.executable,
         "-m",

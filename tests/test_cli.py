@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _common import ROOT, child_env
 
 from effpretrain import cli
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env = child_env(threads=None)
     return subprocess.run(
         [sys.executable, "-m", "effpretrain", *args],
         capture_output=True,
@@ -51,6 +48,7 @@ def assert_bad_input(proc: subprocess.CompletedProcess, needle: str) -> None:
         ("{}\n", ["--set", "nonsense"], "is not of the form section.key=value"),
     ],
 )
+@pytest.mark.run
 def test_train_bad_input_exits_2_one_line(tmp_path, recipe, extra, needle):
     p = tmp_path / "recipe.yaml"
     p.write_text(recipe)
@@ -58,12 +56,14 @@ def test_train_bad_input_exits_2_one_line(tmp_path, recipe, extra, needle):
     assert not (tmp_path / "run").exists()  # nothing written for a rejected run
 
 
+@pytest.mark.run
 def test_missing_recipe_and_bad_flag(tmp_path):
     assert_bad_input(run_cli("train", str(tmp_path / "nope.yaml")), "recipe not found")
     assert_bad_input(run_cli("estimate", "--model", "llama_1b", "--method", "sgdx"), "--method 'sgdx'")
     assert_bad_input(run_cli("estimate", "--model", "gpt5"), "--model 'gpt5'")
 
 
+@pytest.mark.run
 def test_estimate_llama_1b_adamw_matches_paper():
     proc = run_cli("estimate", "--model", "llama_1b", "--method", "adamw", "--dtype", "bf16", "--json")
     assert proc.returncode == 0, proc.stderr

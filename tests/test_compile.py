@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _common import ROOT
 from distributed_helpers import COMMON, final, rel_diff, run_worker_pair
 from safetensors.torch import load_file
 
@@ -23,7 +24,6 @@ from effpretrain.config import load_config
 from effpretrain.models import build_model, set_activation_checkpointing
 from effpretrain.trainer import train
 
-ROOT = Path(__file__).resolve().parent.parent
 # The issue's six families: full-rank, projection, factorized with restarts, sparse plus low-rank,
 # low-rank activation (its own autograd Function), whole-matrix orthogonalisation.
 METHODS = ["adamw", "galore", "lowrank_restarts", "sltrain", "cola_m", "muon"]
@@ -68,7 +68,10 @@ def _close(eager: dict, compiled: dict) -> float:
     return rel
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize(
+    "method", [pytest.param(m, marks=[pytest.mark.fast] if m == "adamw" else []) for m in METHODS]
+)
+@pytest.mark.run
 def test_compiled_run_matches_eager(method, tmp_path, tiny_overrides):
     eager, compiled = _pair(method, tiny_overrides + RUN, tmp_path)
     assert _close(eager, compiled) <= TOLERANCE.get(method, 1e-4)
@@ -82,6 +85,7 @@ def test_compiled_run_matches_eager(method, tmp_path, tiny_overrides):
 
 
 @pytest.mark.parametrize("case", COMPOSED)
+@pytest.mark.run
 def test_compiled_run_matches_eager_composed(case, tmp_path, tiny_overrides):
     recipe, extra = COMPOSED[case]
     eager, compiled = _pair(recipe, tiny_overrides + RUN + extra, tmp_path)
@@ -90,6 +94,7 @@ def test_compiled_run_matches_eager_composed(case, tmp_path, tiny_overrides):
 
 
 @pytest.mark.parametrize("method", ["galore", "lowrank_restarts"])
+@pytest.mark.run
 def test_compiled_split_run_equals_straight_run(method, tmp_path, tiny_overrides):
     """20 compiled steps straight vs 10 + resume (a refresh or a restart in each half): bitwise."""
     over = tiny_overrides + RUN + ["train.save_every=10", "train.compile=true"]
@@ -195,6 +200,7 @@ def dist_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp2"])
 @pytest.mark.parametrize("method", DIST_METHODS)
+@pytest.mark.multiprocess
 def test_compiled_two_processes_match_eager_and_one_process(method, sharding, dist_runs):
     def summary(name: str) -> dict:
         return json.loads((dist_runs / name / "summary.json").read_text())
@@ -207,6 +213,8 @@ def test_compiled_two_processes_match_eager_and_one_process(method, sharding, di
     assert diff <= 1e-5
 
 
+@pytest.mark.run
+@pytest.mark.fast
 def test_compile_without_a_compiler_is_refused_in_one_line(tmp_path):
     """On CPU inductor generates C++: with no compiler on PATH the run stops before any work, exit
     2, one line, nothing written (never a silent eager run)."""

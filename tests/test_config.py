@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from pathlib import Path
 
 import pytest
+from _common import ROOT
 
 import optimizers
 from effpretrain.config import (
@@ -21,8 +21,6 @@ from effpretrain.config import (
     validate,
 )
 from effpretrain.errors import ConfigError as ErrorsConfigError
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def write(tmp_path, text, name="recipe.yaml"):
@@ -243,14 +241,11 @@ def test_every_key_has_a_docstring(cls):
     assert keys and all(docs.get(k) for k in keys), sorted(set(keys) - set(docs))
 
 
-def test_readme_config_table_is_generated_from_the_schema():
-    readme = (ROOT / "README.md").read_text()
-    m = re.search(r"<!-- config-table:start[^\n]*-->\n(.*?)<!-- config-table:end -->", readme, re.S)
-    assert m, "README.md lacks the config-table markers"
+def test_config_reference_is_generated_from_the_schema():
+    page = (ROOT / "docs" / "reference" / "config.md").read_text()
     expected = config_table()
-    assert m.group(1) == expected, (
-        "README.md's config table is out of date; replace it with the output of\n"
-        "  python -c 'from effpretrain.config import config_table; print(config_table(), end=\"\")'"
+    assert page.endswith(expected), (
+        "docs/reference/config.md is out of date; regenerate it with: python -m effpretrain.reference"
     )
     assert expected.count("\n| `") == sum(1 for _ in _config_keys())
 

@@ -219,6 +219,7 @@ def test_two_ranks_draw_one_global_batch_from_the_buffer(builtin):
                 assert torch.equal(m1[k][key], torch.cat([a[k][key], b[k][key]]))
 
 
+@pytest.mark.run
 def test_default_run_batches_mix_documents():
     """Acceptance (issue 19, point 6): the default recipe's (`make train`) 300 batches of 16 rows
     come from a median of at least 12 distinct documents (a pack row's document: the one that

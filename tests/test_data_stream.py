@@ -85,6 +85,7 @@ def c4_like(tmp_path_factory):
     return folder
 
 
+@pytest.mark.run
 def test_resume_costs_the_same_at_step_500_as_at_step_5_and_is_exact(c4_like):
     """Acceptance 1: the restore (load_state_dict + the first step's rows) at step 500 takes no
     longer than at step 5 (within 50%; best of fifteen), reopens only the shard it was in, and the
@@ -347,6 +348,7 @@ def test_hub_path_streams_per_rank_and_resumes_exactly(tmp_path):
     assert orders[0] == orders[1] and orders[0] != orders[2]
 
 
+@pytest.mark.run
 def test_trainer_resume_on_a_files_source_is_exact(tmp_path):
     """A run on streamed local shards, resumed from its step-6 checkpoint, ends with the weights
     of the uninterrupted run (the reader's position travels in trainer.pt)."""
@@ -399,6 +401,7 @@ TWO_PROCESS_WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.multiprocess
 def test_two_processes_read_their_own_shards_and_resume_exactly(tmp_path):
     """torchrun, 2 CPU processes on a files source: each rank's buffered documents come from its
     own shards (i % 2 == rank), the checkpoint holds both ranks' positions, a resume from it

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +13,8 @@ from distributed_helpers import COMMON, final, registry_recipes, rel_diff, run_w
 
 from effpretrain.config import load_config
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.multiprocess
+
 # Every registered optimizer and factorized kind (DDP needs nothing method-specific: gradients are
 # all-reduced before the step), read from the registries.
 METHODS = registry_recipes()

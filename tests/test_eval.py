@@ -7,22 +7,20 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from contextlib import nullcontext
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from _common import ROOT, child_env
 from distributed_helpers import free_port
 
 from effpretrain import data, evaluation
 from effpretrain.config import DataConfig, load_config
 from effpretrain.trainer import train
 
-ROOT = Path(__file__).resolve().parent.parent
 LN2 = math.log(2)
 
 # A hand tokenizer: "0 1 2" -> [0, 1, 2]; EOS is 3.
@@ -168,12 +166,13 @@ def checkpoint(tmp_path_factory):
     return out / "checkpoints" / "step-2"
 
 
+@pytest.mark.multiprocess
 def test_one_checkpoint_evaluated_by_one_and_by_two_processes_agrees(checkpoint):
     """Acceptance (issue 14): the same token count and perplexity to 1e-6 from 1 process and from
     2 (torchrun, gloo), with 10 rows in 3 batches of 4, split unevenly (2 batches and 1)."""
     ckpt = checkpoint
     args = ["-m", "effpretrain", "eval", str(ckpt), "--set", "train.eval_tokens=300"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = child_env()
     for k in ("WORLD_SIZE", "MASTER_ADDR", "RANK", "LOCAL_RANK"):
         env.pop(k, None)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
@@ -200,6 +199,7 @@ def test_one_checkpoint_evaluated_by_one_and_by_two_processes_agrees(checkpoint)
     print(json.dumps({"one": one, "two": two}))
 
 
+@pytest.mark.run
 def test_a_checkpoint_that_records_eval_batches_still_evaluates(checkpoint, tmp_path):
     """Checkpoints written before train.eval_tokens record train.eval_batches in their config: the
     evaluation's size is the eval command's (default or --set), so that key is not an error here

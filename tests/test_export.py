@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from _common import ROOT
 
 from effpretrain.checkpoint import load_checkpoint, load_model_weights
 from effpretrain.config import ConfigError, load_config
@@ -13,7 +12,6 @@ from effpretrain.export import export
 from effpretrain.run_model import build_run_model
 from effpretrain.trainer import train
 
-ROOT = Path(__file__).resolve().parent.parent
 SMALL = [
     "data.seq_len=32",
     "data.vocab_size=512",
@@ -27,6 +25,7 @@ SMALL = [
 
 
 @pytest.mark.parametrize("recipe", ["lowrank_restarts", "sltrain", "relora"])
+@pytest.mark.run
 def test_export_round_trips_outputs(recipe, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -48,6 +47,8 @@ def test_export_round_trips_outputs(recipe, tmp_path):
         export(tmp_path / "run", tmp_path / "hf")
 
 
+@pytest.mark.run
+@pytest.mark.fast
 def test_export_resolves_like_resume(tmp_path):
     # The same resolver as --resume: a missing path, or a run with no complete checkpoint, is bad input.
     with pytest.raises(ConfigError, match=r"^export: .*nope does not exist$"):
@@ -59,6 +60,7 @@ def test_export_resolves_like_resume(tmp_path):
 
 
 @pytest.mark.parametrize("recipe", ["cola", "cola_m"])
+@pytest.mark.run
 def test_export_ships_cola_factors_loadable_with_the_factored_class(recipe, tmp_path):
     """CoLA has no dense weight (y = B silu(A x)): the export keeps A and B under a model type of
     its own, which `effpretrain.models.factored_hf` registers; the loaded model gives our outputs."""

@@ -3,15 +3,12 @@ the MFU formula, and summary.json's speed fields (MFU null on CPU, never a guess
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from _common import ROOT
 
 from effpretrain import flops
 from effpretrain.config import load_config
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_llama_1b_flops_per_token_against_a_hand_count():
@@ -95,6 +92,8 @@ def test_mfu_formula():
     assert flops.mfu(0.0, 989e12) == 0.0
 
 
+@pytest.mark.run
+@pytest.mark.fast
 def test_summary_reports_model_flops_and_a_null_mfu_on_cpu(tmp_path, tiny_overrides):
     from effpretrain.trainer import train
 

@@ -10,19 +10,18 @@ eval read them whole in one process; resuming with another world size or shardin
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+from _common import ROOT, child_env
 from distributed_helpers import COMMON, final, registry_recipes, rel_diff, run_worker_pair
 
 import optimizers
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.multiprocess
 
 
 # (name, recipe, 2-process overrides, 1-process reference overrides): the reference splits its
@@ -202,7 +201,7 @@ def test_resume_with_another_world_size_is_refused(runs, tmp_path):
     for a in args:
         cmd += ["--set", a]
     cmd += ["--out", str(tmp_path / "run"), "--resume", str(ckpt)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = child_env()
     for k in ("WORLD_SIZE", "MASTER_ADDR", "RANK", "LOCAL_RANK"):
         env.pop(k, None)
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from _common import ROOT, child_env
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 import optimizers
@@ -35,7 +34,6 @@ from effpretrain.models.factorized import factor_pairs
 from optimizers.momentum_reset import unwrap_optimizer
 from optimizers.restarts import Restarts, recovery_factor
 
-ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "hf_trainer.py"
 SEQ, ROWS, BATCH = 32, 64, 4
 
@@ -57,8 +55,7 @@ def example_run(request, tmp_path_factory):
         yield None
         return
     out_dir = tmp_path_factory.mktemp("example")
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env = child_env(CUDA_VISIBLE_DEVICES="")
     with open(out_dir / "stdout", "w") as so, open(out_dir / "stderr", "w") as se:
         proc = subprocess.Popen(
             [sys.executable, str(EXAMPLE), "4"], cwd=out_dir, env=env, stdout=so, stderr=se
@@ -230,6 +227,8 @@ def test_restarts_give_the_wrapper_over_the_models_factor_pairs():
 # Training, logs, events
 
 
+@pytest.mark.run
+@pytest.mark.fast
 def test_galore_trains_and_logs_memory_and_perplexity(tmp_path):
     model = tiny_model()
     opt = hf.create_optimizer(model, "galore", num_training_steps=20, lr=1e-2, rank=8, update_proj_gap=10)
@@ -292,6 +291,7 @@ def _check_events(probe: Probe, cfg, every: int, steps: int) -> None:
     assert probe.lr[every + 1] < 1e-3 * probe.lr[every]
 
 
+@pytest.mark.run
 def test_lowrank_restarts_train_and_fire_exactly_at_the_boundaries(wrapper_run):
     tr, cb, probe, cfg = wrapper_run
     loss = losses(tr)
@@ -303,6 +303,7 @@ def test_lowrank_restarts_train_and_fire_exactly_at_the_boundaries(wrapper_run):
     assert tr.state.log_history[-1]["opt/restarts"] == STEPS // EVERY
 
 
+@pytest.mark.run
 def test_callback_fires_the_same_events_as_the_wrapper(wrapper_run, tmp_path):
     ref, _, _, cfg = wrapper_run
     model = lowrank_model()
@@ -323,6 +324,7 @@ def test_callback_fires_the_same_events_as_the_wrapper(wrapper_run, tmp_path):
             assert h["learning_rate"] == pytest.approx(probe.lr[h["step"]])
 
 
+@pytest.mark.run
 def test_callback_restarts_the_trainers_own_optimizer(tmp_path):
     model = tiny_model()
     cb = hf.EffPretrainCallback(restarts_every=3, recovery_steps=2)
@@ -339,6 +341,7 @@ def test_callback_restarts_the_trainers_own_optimizer(tmp_path):
     assert probe.lr[6] == pytest.approx(1e-2 * (1 - 5 / 7))
 
 
+@pytest.mark.run
 def test_callback_refuses_a_second_restart_period(tmp_path):
     model = lowrank_model()
     opt = hf.create_optimizer(model, "adamw", num_training_steps=4, lr=1e-2, restarts_every=2)
@@ -374,6 +377,7 @@ def _resume_case(case: str, seed: int = 0):
 
 
 @pytest.mark.parametrize("case", ["galore", "lowrank_restarts", "callback_restarts"])
+@pytest.mark.run
 def test_resume_from_trainer_checkpoint_repeats_the_straight_run(case, tmp_path):
     model, opt, cbs = _resume_case(case)
     straight = make_trainer(
@@ -449,6 +453,7 @@ def test_estimate_knows_updates_in_backward():
 # The README example
 
 
+@pytest.mark.run
 def test_readme_example_runs_as_written(example_run):
     proc, out_dir = example_run
     try:
@@ -463,12 +468,12 @@ def test_readme_example_runs_as_written(example_run):
     assert (out_dir / "runs" / "hf-lowrank").is_dir()
 
 
-def test_readme_shows_the_example_verbatim():
-    readme = (ROOT / "README.md").read_text()
-    assert "examples/hf_trainer.py" in readme, "README has no HuggingFace Trainer section"
-    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+def test_docs_show_the_example_verbatim():
+    page = (ROOT / "docs" / "hf.md").read_text()
+    assert "examples/hf_trainer.py" in page, "docs/hf.md does not name the example"
+    blocks = re.findall(r"```python\n(.*?)```", page, flags=re.S)
     assert EXAMPLE.read_text() in blocks, (
-        "the README's Trainer example must be examples/hf_trainer.py verbatim"
+        "docs/hf.md's Trainer example must be examples/hf_trainer.py verbatim"
     )
 
 
@@ -556,6 +561,7 @@ def _inb_pair(tmp_path, case, ga, steps, max_grad_norm=0.0, ref_callbacks=lambda
 @pytest.mark.parametrize(
     "case,ga,steps", [("adamw", 2, 6), ("adamw", 3, 7), ("lowrank_restarts", 2, 6), ("galore", 2, 6)]
 )
+@pytest.mark.run
 def test_update_in_backward_equals_the_trainers_own_steps(case, ga, steps, tmp_path):
     (ref, normal, ref_probe), (model, tr, probe) = _inb_pair(tmp_path, case, ga, steps)
     assert ref_probe.alive == [True] * steps and probe.alive == [False] * steps  # freed in backward
@@ -580,6 +586,7 @@ def test_update_in_backward_equals_the_trainers_own_steps(case, ga, steps, tmp_p
 
 
 @pytest.mark.parametrize("case", ["galore", "adamw-in-backward"])
+@pytest.mark.run
 def test_compiled_models_train_as_eager_ones(case, tmp_path):
     """`compile_blocks` before the Trainer (regional, effpretrain's) and the Trainer's own
     ``torch_compile=True`` (Accelerate compiles the whole model) both train with the factory's
@@ -612,6 +619,7 @@ def test_compiled_models_train_as_eager_ones(case, tmp_path):
         assert runs[mode] == pytest.approx(runs["eager"], rel=1e-5)
 
 
+@pytest.mark.run
 def test_update_in_backward_clips_with_the_previous_steps_norm(tmp_path):
     c = 1.5  # the tiny model's norms grow from 1.3 to 2.9 over 6 updates: steps 3.. are clipped
     (ref, normal, _), (model, tr, _) = _inb_pair(
@@ -628,6 +636,7 @@ def test_update_in_backward_clips_with_the_previous_steps_norm(tmp_path):
     assert moved > 1e-4
 
 
+@pytest.mark.run
 def test_update_in_backward_resumes_exactly_with_clipping(tmp_path):
     def trainer(out, seed):
         model = tiny_model(seed)
@@ -657,6 +666,7 @@ def test_update_in_backward_resumes_exactly_with_clipping(tmp_path):
         ({}, "needs EffPretrainCallback"),
     ],
 )
+@pytest.mark.run
 def test_update_in_backward_refuses_what_the_trainer_makes_impossible(setting, message, tmp_path):
     model = tiny_model()
     opt = hf.create_optimizer(model, "adamw", num_training_steps=2, lr=1e-2, update_in_backward=True)

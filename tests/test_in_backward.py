@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _common import ROOT
 
 from effpretrain import fsdp, trainer
 from effpretrain.config import load_config
@@ -20,7 +21,6 @@ from effpretrain.optim_setup import lr_factor
 from effpretrain.trainer import train
 from optimizers import FACTOR_PAIRS_KEY, GaLoreAdamW
 
-ROOT = Path(__file__).resolve().parent.parent
 STEPS, K = 20, 4
 # One update = 4 micro-batches of 2 x 32 tokens.
 BASE = [
@@ -79,6 +79,7 @@ def normal_runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("method", BITWISE + CLOSE)
+@pytest.mark.run
 def test_parity_with_normal_path(method, normal_runs, tmp_path):
     """Acceptance 1 (one process, clipping off): the same weights after 20 updates of K = 4."""
     _, out = run(tmp_path, method, "inb", "train.grad_clip=0", "train.update_in_backward=true")
@@ -90,6 +91,7 @@ def test_parity_with_normal_path(method, normal_runs, tmp_path):
         assert max_rel(a, b) <= 1e-5
 
 
+@pytest.mark.run
 def test_grad_norm_and_lr_are_logged_as_the_normal_path(normal_runs, tmp_path):
     """Acceptance 3: adamw, clipping off: each step's logged grad_norm is non-zero and equals the
     normal path's (same fp64 sum in model order); the logged LR is the schedule's."""
@@ -134,6 +136,7 @@ class PreviousNormClip:
     # gradient their step consumed (back(R) + G_K, documented), which no normal-path reference has.
     [("adamw", K), ("galore", 1)],
 )
+@pytest.mark.run
 def test_clipping_equals_reference_rule(method, accum, tmp_path, monkeypatch):
     """Acceptance 1, clipping on (0.05 bites every step here): update_in_backward equals the
     reference implementation of the previous-norm rule on the normal path, bitwise."""
@@ -150,6 +153,7 @@ def test_clipping_equals_reference_rule(method, accum, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("method", ["galore", "lowrank_restarts"])
+@pytest.mark.run
 def test_exact_resume(method, tmp_path):
     """Acceptance 4: 20 updates straight vs 10 + resume: bitwise equal (clipping on, so the saved
     previous norm matters; lowrank_restarts restarts at 7 and 14, galore refreshes at 7, 13, 19)."""
@@ -164,6 +168,7 @@ def test_exact_resume(method, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a), max_rel(a, b)
 
 
+@pytest.mark.run
 def test_mode_change_on_resume_is_refused(tmp_path):
     _, out = run(tmp_path, "adamw", "a", "train.max_steps=2", "train.save_every=1")
     with pytest.raises(ConfigError, match="update_in_backward"):

@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import json
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from _common import ROOT
 from distributed_helpers import COMMON, final, rel_diff, run_worker_pair
 
 import optimizers
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.multiprocess
+
 
 # Element-wise (adamw), factorized with restarts, and the projection methods (GaLore's low-rank
 # accumulators, Fira's and APOLLO's full ones; under FSDP2 all three step on owner ranks).

@@ -7,16 +7,15 @@ with dist.sharding=ddp, or with FSDP version 1, is refused."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _common import ROOT, child_env
 from distributed_helpers import COMMON, final, free_port, rel_diff
 
-ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "tiny" / "galore.yaml"
 BIN = Path(sys.executable).parent
 
@@ -59,7 +58,7 @@ LAUNCHES = {
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = child_env()
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     return env
@@ -77,6 +76,7 @@ def launched(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["accelerate-ddp", "accelerate-fsdp2", "torchrun-fsdp2"])
+@pytest.mark.multiprocess
 def test_two_processes_at_batch_b_match_one_process_at_2b(name, launched):
     two = json.loads((launched / name / "summary.json").read_text())
     one = json.loads((launched / "one-process" / "summary.json").read_text())

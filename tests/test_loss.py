@@ -7,18 +7,17 @@ from __future__ import annotations
 
 import json
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from _common import ROOT
 from distributed_helpers import COMMON, final, rel_diff, run_worker_pair
 
 from effpretrain.config import ConfigError, load_config
 from effpretrain.data import IGNORE_INDEX
 from effpretrain.loss import _LiveBytes, linear_cross_entropy, loss_bytes, measure_loss_bytes, token_loss_sum
 
-ROOT = Path(__file__).resolve().parent.parent
 CHUNKED = ["chunked", "chunked_recompute"]
 
 
@@ -170,6 +169,7 @@ def test_config_validates_the_loss():
         load_config(None, ["train.loss_chunk_tokens=0"])
 
 
+@pytest.mark.run
 def test_trainer_loss_curve_is_the_same_with_chunked_loss(tmp_path, tiny_overrides):
     """Padded rows (truncate), accumulation and a chunk smaller than a micro-batch's rows."""
     from effpretrain.trainer import train
@@ -198,6 +198,7 @@ def test_trainer_loss_curve_is_the_same_with_chunked_loss(tmp_path, tiny_overrid
         assert abs(a - b) <= 1e-5 * abs(b), loss
 
 
+@pytest.mark.run
 def test_chunked_loss_memory_drop_at_8192_tokens_and_loss_bytes():
     """Acceptance: at 8,192 tokens, vocabulary 32,000, hidden 256, fp32, the loss's own measured peak
     (its logits, what it saves for backward, transients, its gradients) falls by at least 80%."""
@@ -265,6 +266,7 @@ def parity_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp2"])
 @pytest.mark.parametrize("method", list(PARITY))
+@pytest.mark.multiprocess
 def test_chunked_loss_two_processes_equal_one_process(method, sharding, parity_runs):
     one = json.loads((parity_runs / f"{method}-1p" / "summary.json").read_text())
     two = json.loads((parity_runs / f"{method}-{sharding}" / "summary.json").read_text())

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from _common import ROOT, child_env
 
 import optimizers
 from effpretrain.memory import (
@@ -17,8 +17,6 @@ from effpretrain.memory import (
     model_param_shapes,
 )
 from effpretrain.models import build_model
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("preset", ["tiny", "llama_20m"])
@@ -153,7 +151,7 @@ def test_whole_matrix_state_is_owner_placed_under_fsdp2():
 
 
 def test_galore_state_formula_by_hand():
-    """GaLore per projected m x n matrix: basis min(m,n) x r + two moments r x max(m,n) (PAPER.md 3)."""
+    """GaLore per projected m x n matrix: basis min(m,n) x r + two moments r x max(m,n) (Zhao et al. 2024)."""
     from effpretrain.config import OptimConfig
 
     h, i, r, V, L = 512, 1376, 128, 32000, 8
@@ -401,6 +399,7 @@ def _llama_20m_auto(budget_gb):
 
 
 @pytest.mark.parametrize("between", [0.33, 0.67])
+@pytest.mark.run
 def test_auto_checkpointing_fits_the_budget_with_fewer_layers(between):
     """Issue 15 acceptance 4: between the no-checkpointing and full-checkpointing peaks, the plan
     recomputes fewer layers than full checkpointing and the measured peak stays within budget."""
@@ -443,6 +442,7 @@ def _tiny_auto(tiny_overrides, budget_gb):
     )
 
 
+@pytest.mark.run
 def test_auto_checkpointing_run_logs_its_choice(tmp_path, tiny_overrides, caplog):
     import logging
 
@@ -461,13 +461,13 @@ def test_auto_checkpointing_run_logs_its_choice(tmp_path, tiny_overrides, caplog
     assert f"(estimated peak {est.peak / 1e9:.3f} GB)" in caplog.text
 
 
+@pytest.mark.run
 def test_auto_checkpointing_budget_nothing_fits_exits_2(tmp_path, tiny_overrides):
-    import os
     import subprocess
     import sys
 
     sets = [*tiny_overrides, "train.activation_checkpointing=auto", "train.memory_budget_gb=0.001"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = child_env(threads=None)
     args = [sys.executable, "-m", "effpretrain", "train", str(ROOT / "recipes" / "tiny" / "adamw.yaml")]
     args += [f"--set={s}" for s in sets] + ["--out", str(tmp_path / "run")]
     proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)

@@ -5,15 +5,14 @@ on the chosen steps only, and refused up front when a run cannot fit (pre-flight
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+from _common import ROOT, child_env
 from distributed_helpers import run_worker_pair
 
 import optimizers
@@ -26,7 +25,6 @@ from effpretrain.optim_setup import build_optimizer_and_schedule
 from effpretrain.run_model import build_run_model
 from effpretrain.trainer import memory_steps, train
 
-ROOT = Path(__file__).resolve().parent.parent
 TINY_RECIPES = sorted((ROOT / "recipes" / "tiny").glob("*.yaml"))
 
 B, D_IN, D_HID, D_OUT = 16, 64, 128, 32
@@ -147,6 +145,8 @@ def test_default_memory_steps_follow_the_registries():
     assert memory_steps(load_config(None, over + ["train.memory_steps=[5,2]"])) == [2, 5]
 
 
+@pytest.mark.run
+@pytest.mark.fast
 def test_trainer_records_measured_steps_only(tmp_path):
     over = _tiny_overrides() + [
         "train.max_steps=4",
@@ -212,6 +212,7 @@ DDP_WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.multiprocess
 def test_ddp_gradients_are_bucket_views_no_second_copy(tmp_path):
     """Acceptance 3: under 2-process DDP (gloo) a rank's measured gradient memory is one full
     gradient (the buckets are the gradients), and its peak has no extra full-gradient term over one
@@ -244,6 +245,7 @@ def test_ddp_gradients_are_bucket_views_no_second_copy(tmp_path):
     assert toy["False"]["temporaries"] >= toy_grads
 
 
+@pytest.mark.run
 def test_preflight_refuses_llama_1b_adamw_fp32_batch_64_within_seconds(tmp_path):
     """Acceptance 5: its estimated peak (tens of GB per process) exceeds this machine's memory; the
     run exits 2 in one line naming the estimate, before any data or model is built."""
@@ -256,7 +258,7 @@ def test_preflight_refuses_llama_1b_adamw_fp32_batch_64_within_seconds(tmp_path)
     peak = getattr(est, "peak", est.total)
     limit, _ = device_memory_limit(torch.device("cpu"))
     assert peak > limit  # the premise on this machine
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = child_env(threads=None)
     args = ["recipes/llama_1b/adamw.yaml", "--out", str(tmp_path / "run")]
     args += ["--set", "train.precision=fp32", "--set", "train.batch_size=64"]
     # CPU seconds of the child (imports, the meta-device estimate): wall time on a shared machine
@@ -282,6 +284,7 @@ def test_preflight_refuses_llama_1b_adamw_fp32_batch_64_within_seconds(tmp_path)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.run
 def test_allow_oversubscribe_skips_the_preflight(tmp_path, monkeypatch):
     from effpretrain import memory_measure
     from effpretrain.errors import ConfigError
@@ -296,6 +299,7 @@ def test_allow_oversubscribe_skips_the_preflight(tmp_path, monkeypatch):
     assert summary["steps"] == 1
 
 
+@pytest.mark.run
 def test_measuring_a_step_leaves_training_bitwise_unchanged(tmp_path):
     from safetensors.torch import load_file
 
@@ -379,6 +383,7 @@ def test_in_backward_measured_gradients_within_the_estimate(recipe, k):
         assert est.grads < est.detail["grads_at_refresh"]
 
 
+@pytest.mark.run
 def test_trainer_reports_in_backward_gradient_bytes(tmp_path):
     """summary.json in this mode: ``grad_bytes`` is the first step's measured peak gradient bytes
     (labelled), the estimator's in-backward figure here (one unit in flight), not every trainable

@@ -12,13 +12,13 @@ import inspect
 from pathlib import Path
 
 import pytest
+from _common import ROOT
 
 import optimizers
 from effpretrain import memory
 from effpretrain.config import load_config
 from effpretrain.models import FACTOR_KINDS, PRESETS
 
-ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "recipes"
 LAUNCHER_DIR = RECIPES / "accelerate"
 ALL = sorted(RECIPES.rglob("*.yaml"))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _common import ROOT, child_env
 from safetensors.torch import load_file
 
 from effpretrain import cli
@@ -24,7 +25,6 @@ from effpretrain.config import load_config
 from effpretrain.signals import REPEAT_WINDOW_S
 from effpretrain.trainer import NonFiniteError, Trainer, train
 
-ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "tiny" / "adamw.yaml"
 SMALL = [
     "data.seq_len=32",
@@ -57,9 +57,7 @@ def open_paths() -> set[str]:
 
 
 def subprocess_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
+    return child_env(threads=None)
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +74,7 @@ def straight(tmp_path_factory):
     return out, over, summary
 
 
+@pytest.mark.run
 def test_sigterm_then_resume_auto_matches_uninterrupted(straight, tmp_path):
     ref_dir, over, _ = straight
     out = tmp_path / "run"
@@ -192,6 +191,7 @@ def _exit_within(proc: subprocess.Popen, seconds: float) -> int:
         raise AssertionError(f"still running {seconds} s after the signal") from None
 
 
+@pytest.mark.run
 def test_second_sigterm_stops_a_stalled_step_at_once_without_a_checkpoint(tmp_path):
     over = SMALL + ["train.max_steps=10", "train.save_every=2", "train.eval_every=0"]
     proc, _, err = _start_slow_run(tmp_path, "step", over)
@@ -213,6 +213,7 @@ def test_second_sigterm_stops_a_stalled_step_at_once_without_a_checkpoint(tmp_pa
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the stall is a glibc mutex wait")
+@pytest.mark.run
 def test_two_sigterms_at_once_are_one_graceful_stop(tmp_path):
     """A scheduler and a launcher may deliver two SIGTERMs together: one request, so the run
     finishes its step, saves and exits 0. The step is inside a native call when they come, so the
@@ -247,6 +248,7 @@ def test_stop_policy_counts_this_process_signals_once_per_window():
         stop._on_signal(signal.SIGTERM, None)
 
 
+@pytest.mark.run
 def test_signal_right_after_a_save_does_not_rewrite_that_checkpoint(tmp_path, monkeypatch):
     """The step just saved by save_every, or just resumed from, is on disk: the graceful stop does
     not save it again (a re-save replaces the folder, which a second signal could interrupt)."""
@@ -317,6 +319,7 @@ def test_stop_signals_set_up_is_all_or_nothing(monkeypatch):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the stall is a glibc mutex deadlock")
+@pytest.mark.run
 def test_second_sigterm_stops_a_step_blocked_in_native_code(tmp_path):
     """Python cannot run a handler while the main thread is inside one native call: the
     watchdog, woken by the signal itself, ends the process a few seconds after the second."""
@@ -335,6 +338,7 @@ def test_second_sigterm_stops_a_step_blocked_in_native_code(tmp_path):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.run
 def test_signal_during_start_up_exits_at_once_without_writing(sig, tmp_path):
     proc, _, err = _start_slow_run(tmp_path, "start-up", SMALL + ["train.max_steps=4"])
     proc.send_signal(sig)
@@ -381,6 +385,7 @@ DDP_SIGNAL_WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.multiprocess
 def test_sigterm_to_ddp_ranks_on_either_side_of_a_step_stops_every_rank_at_the_same_step(tmp_path):
     """A signal that reaches one rank first (the ranks on either side of a step boundary) must
     stop all of them after the same step; otherwise one saves while the other trains on and both
@@ -394,7 +399,7 @@ def test_sigterm_to_ddp_ranks_on_either_side_of_a_step_stops_every_rank_at_the_s
     worker, err = tmp_path / "worker.py", tmp_path / "stderr.txt"
     worker.write_text(DDP_SIGNAL_WORKER)
     over = SMALL + ["train.max_steps=10", "train.eval_every=0", "train.batch_size=2"]
-    env = dict(subprocess_env(), OMP_NUM_THREADS="1")
+    env = child_env()
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     with open(err, "w") as fh:
         proc = subprocess.Popen(
@@ -438,6 +443,7 @@ KILL_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.run
 def test_sigkill_mid_save_keeps_previous_checkpoint_and_resume_continues(straight, tmp_path):
     ref_dir, over, _ = straight
     out = tmp_path / "run"
@@ -459,6 +465,7 @@ def test_sigkill_mid_save_keeps_previous_checkpoint_and_resume_continues(straigh
     assert not any(".tmp-" in p.name for p in (out / "checkpoints").iterdir())
 
 
+@pytest.mark.run
 def test_truncated_newest_checkpoint_falls_back_to_previous(straight, tmp_path, caplog):
     ref_dir, over, _ = straight
     out = tmp_path / "run"
@@ -474,6 +481,7 @@ def test_truncated_newest_checkpoint_falls_back_to_previous(straight, tmp_path, 
     assert same(weights(out, 30), final)
 
 
+@pytest.mark.run
 def test_nonfinite_gradients_skip_without_advancing_and_stop_after_n(tmp_path):
     over = SMALL + [
         "train.max_steps=12",
@@ -554,6 +562,7 @@ def good_ckpt(tmp_path_factory):
     return out / "checkpoints" / "step-2"
 
 
+@pytest.mark.run
 def test_sharded_resume_passes_the_weight_check_error_through_unchanged(good_ckpt, tmp_path, monkeypatch):
     """The FSDP2 resume path's weight check already names the checkpoint in one line: `_load`
     does not wrap it in a second ConfigError (the path would appear twice)."""
@@ -808,6 +817,7 @@ MALFORMED = {
 
 
 @pytest.mark.parametrize("case", list(MALFORMED), ids=list(MALFORMED))
+@pytest.mark.run
 def test_malformed_input_exits_2_one_line(case, tmp_path, good_ckpt, capsys):
     make, needle = MALFORMED[case]
     argv = make(tmp_path, good_ckpt)
@@ -828,6 +838,8 @@ def test_at_least_thirty_malformed_cases():
     assert len(MALFORMED) >= 30
 
 
+@pytest.mark.run
+@pytest.mark.fast
 def test_a_full_disk_during_a_save_stops_in_one_line_and_resume_continues_exactly(
     tmp_path, monkeypatch, capsys
 ):

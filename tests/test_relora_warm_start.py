@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _common import ROOT
 from distributed_helpers import rel_diff, run_worker_pair
 from safetensors.torch import load_file
 
@@ -33,7 +34,6 @@ from effpretrain.run_model import build_run_model
 from effpretrain.trainer import Trainer, train
 from optimizers import Restarts
 
-ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "tiny" / "relora.yaml"
 N, T, R, STEPS = 3, 3, 2, 10
 OVER = [
@@ -176,6 +176,7 @@ def test_lr_ramps_after_the_switch_and_after_each_merge():
     assert lr_factor(N, cos) == pytest.approx(1e-3 * lr_factor(N, plain))
 
 
+@pytest.mark.run
 def test_logged_lr_follows_lr_factor(straight):
     run, _ = straight
     cfg = load_config(RECIPE, SAVED)
@@ -190,6 +191,8 @@ def test_logged_lr_follows_lr_factor(straight):
 # -- the two phases, as the checkpoints show them ---------------------------------------------
 
 
+@pytest.mark.run
+@pytest.mark.fast
 def test_warm_start_trains_w0_then_the_factors(straight, tmp_path):
     run, _ = straight
     # The initial weights: a trainer set up as the run's was (same seed and RNG use), not stepped.
@@ -216,6 +219,7 @@ def test_warm_start_trains_w0_then_the_factors(straight, tmp_path):
     assert all(not eq(sd[k][emb], sd[k - 1][emb]) for k in range(1, STEPS + 1))
 
 
+@pytest.mark.run
 def test_switch_frees_w0_state_and_gives_the_factors_fresh_state(straight):
     run, _ = straight
     cfg = load_config(RECIPE, SAVED)
@@ -242,6 +246,7 @@ def test_switch_frees_w0_state_and_gives_the_factors_fresh_state(straight):
 # -- memory -----------------------------------------------------------------------------------
 
 
+@pytest.mark.run
 def test_estimate_reports_both_phases_and_the_warm_start_peak(straight):
     """The warm start trains W0 (m n gradient and AdamW state per target): the estimate's peak; the
     factorized phase is the run without a warm start. The measured optimizer state matches each
@@ -277,6 +282,7 @@ def test_estimate_reports_both_phases_and_the_warm_start_peak(straight):
 
 
 @pytest.mark.parametrize("at", [N - 1, N, N + 1], ids=["before-switch", "at-switch", "after-switch"])
+@pytest.mark.run
 def test_resume_across_the_switch_is_exact(straight, tmp_path, at):
     run, summary = straight
     resumed = train(
@@ -319,6 +325,7 @@ WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.multiprocess
 def test_ddp_across_the_switch_keeps_ranks_identical_and_equals_one_process(tmp_path):
     """2 processes (gloo, torchrun) against one process at the same global batch, through the
     switch (after step 3) and two merges (after steps 6 and 9); and a 2-process run resumed from

@@ -8,13 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from _common import ROOT
 from safetensors.torch import load_file
 
 from effpretrain.config import load_config
 from effpretrain.optim_setup import lr_factor
 from effpretrain.trainer import train
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.run
+
 TINY_RECIPES = sorted((ROOT / "recipes" / "tiny").glob("*.yaml"))
 
 
@@ -23,7 +25,28 @@ def final_weights(run: Path) -> dict[str, torch.Tensor]:
     return load_file(str(last / "model.safetensors"))
 
 
-@pytest.mark.parametrize("recipe", TINY_RECIPES, ids=[p.stem for p in TINY_RECIPES])
+# `make test-fast` trains one recipe per family: full-rank, projected, 8-bit, block-wise Adam,
+# whole-matrix, and each kind of factorization.
+FAST_FAMILIES = {
+    "adamw",
+    "galore",
+    "galore_8bit",
+    "adam_mini",
+    "muon",
+    "lowrank_restarts",
+    "sltrain",
+    "cola_m",
+    "loro",
+}
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        pytest.param(p, id=p.stem, marks=[pytest.mark.fast] if p.stem in FAST_FAMILIES else [])
+        for p in TINY_RECIPES
+    ],
+)
 def test_tiny_recipe_trains_and_memory_matches(recipe, tmp_path, tiny_overrides):
     over = tiny_overrides + ["train.max_steps=6", "train.eval_every=3"]
     cfg = load_config(recipe, over)
@@ -75,6 +98,7 @@ def test_tiny_recipe_trains_and_memory_matches(recipe, tmp_path, tiny_overrides)
     )
 
 
+@pytest.mark.fast
 def test_split_run_equals_straight_run(tmp_path, tiny_overrides):
     """Acceptance 3: 40 steps straight vs 20 + resume to 40: bitwise-equal weights, same val_loss."""
     over = tiny_overrides + ["train.max_steps=40", "train.save_every=20", "train.eval_every=20"]
@@ -150,6 +174,7 @@ def test_activation_checkpointing_same_gradients(tiny_overrides):
     assert torch.allclose(grads[0], grads[1], atol=1e-6) and torch.allclose(grads[0], grads[2], atol=1e-6)
 
 
+@pytest.mark.fast
 def test_last_step_off_the_eval_cadence_is_evaluated_once(tmp_path, tiny_overrides, monkeypatch):
     """max_steps 7 with eval_every 3: evaluations at steps 3, 6 and 7, each once (the last step
     was evaluated twice before: by the loop and again by the final evaluation)."""

@@ -1,6 +1,6 @@
 """Factorized linear layers and the model surgery that installs them.
 
-Notation as in PAPER.md: a target Linear computes y = W x + b with W m x n (out x in); r is the
+Notation (docs/methods.md): a target Linear computes y = W x + b with W m x n (out x in); r is the
 rank, alpha a fixed scale, s = alpha / r. Every layer keeps its factors as B (m x r) and A (r x n).
 
 | layer         | effective weight           | trainable           | frozen | init                           |

@@ -1,4 +1,4 @@
-"""LLaMA presets as transformers `LlamaConfig` / `LlamaForCausalLM` (PAPER.md section 1)."""
+"""LLaMA presets as transformers `LlamaConfig` / `LlamaForCausalLM` (docs/benchmark.md)."""
 
 from __future__ import annotations
 

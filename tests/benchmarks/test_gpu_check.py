@@ -1,23 +1,24 @@
 """benchmarks/gpu_check.py: its smoke runs every section's code on the CPU in under 90 s and exits
 0; a section whose package is missing is reported skipped while the rest runs; the budget stops it
-cleanly; README's "On a GPU" tables are the committed JSON rendered."""
+cleanly; the docs' "On a GPU" tables are the committed JSON rendered."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 
 import pytest
+from _common import child_env
 from bench_scripts import ROOT, load
 
 gc = load("gpu_check")
 
 
+@pytest.mark.run
 def test_smoke_runs_every_section_on_cpu_within_90_seconds(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = child_env()
     t0 = time.monotonic()
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke", "--out", str(tmp_path)],
@@ -88,8 +89,8 @@ def test_bad_arguments_exit_2(argv):
     assert e.value.code == 2
 
 
-def test_readme_tables_are_the_committed_json_rendered():
-    text = (ROOT / "README.md").read_text()
+def test_docs_tables_are_the_committed_json_rendered():
+    text = (ROOT / "docs" / "gpu.md").read_text()
     start = text.index(gc.README_START)
     body = text[text.index("\n", start) + 1 : text.index(gc.README_END)]
     assert body == gc.render_results()

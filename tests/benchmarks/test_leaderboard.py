@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from _common import ROOT
 from bench_scripts import load
 
 from effpretrain import paper
 
-ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 

@@ -11,10 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+from _common import ROOT
 from test_leaderboard import _load_leaderboard  # the one loader of the script
-
-ROOT = Path(__file__).resolve().parents[2]
-
 
 lb = _load_leaderboard()
 

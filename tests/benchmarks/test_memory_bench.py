@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
+from _common import ROOT
 from bench_scripts import load
-
-ROOT = Path(__file__).resolve().parents[2]
-
 
 bench = load("memory")
 SMALL = ("train.batch_size=2", "data.seq_len=16")

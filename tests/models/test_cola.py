@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _common import ROOT
 from safetensors.torch import load_file
 
 from effpretrain import cli
@@ -17,8 +18,6 @@ from effpretrain.errors import ConfigError
 from effpretrain.memory import estimate
 from effpretrain.models import FACTOR_KINDS, CoLALinear, CoLAMLinear, LowRankLinear, apply_factorization
 from effpretrain.models.factorized import factorized_param_counts, merge_factorized_
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _pair(m=12, n=20, r=4, alpha=8.0, bias=False, seed=0):

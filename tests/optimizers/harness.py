@@ -1,5 +1,5 @@
 """The one optimizer-test harness: tiny parameters and gradients, training loops, weights_only round
-trips, state accounting, and the optimizer contract (DESIGN.md sections 4 and 7) as check functions.
+trips, state accounting, and the optimizer contract (docs/architecture.md: the optimizer contract, house style) as check functions.
 
 The contract checks take a registry name and a `Case` (how to run that method: its schedule, its
 variants, its degenerate settings) and build param groups the way the toolkit does: the registry's
@@ -568,8 +568,8 @@ def _shared_state_tensors(opt: torch.optim.Optimizer) -> dict[int, torch.Tensor]
 
 
 def check_state_and_groups(name: str, case: Case, variant: str) -> None:
-    """State holds tensors and ints only, under the case's key names (torch's: DESIGN.md 7);
-    step() never changes param_groups (DESIGN.md 4)."""
+    """State holds tensors and ints only, under the case's key names (torch's: docs/architecture.md);
+    step() never changes param_groups (docs/architecture.md)."""
     params = make_params()
     opt = build(name, params, case, variant)
     before = group_options(opt)
@@ -647,7 +647,7 @@ def check_zero_gradient_dummy_step(name: str, case: Case) -> None:
     """A step on all-zero gradients (what distributed checkpoint loaders do) materialises the
     state with its final shapes (the formula's bytes, floating tensors zero) but runs no basis
     computation, moves no weight and advances no counter; the run then equals a fresh one. In
-    the middle of a run, just before a refresh, it changes nothing at all (DESIGN.md 4)."""
+    the middle of a run, just before a refresh, it changes nothing at all (docs/architecture.md)."""
     spec = optimizers.method_spec(name)
     variant = next(iter(case.variants))
     params, fresh_params = make_params(), make_params()

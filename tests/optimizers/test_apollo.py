@@ -1,4 +1,4 @@
-"""Claims about optimizers.apollo.APOLLOAdamW (PAPER.md 2.5) beyond the contract (test_contract.py).
+"""Claims about optimizers.apollo.APOLLOAdamW (Zhu et al. 2024) beyond the contract (test_contract.py).
 
 Reference match: apollo-torch draws its projections from its own seed chain. Our optimizer can
 draw the very same stream (group key ``random_stream="apollo_torch"``), so the reference test

@@ -1,4 +1,4 @@
-"""Claims about optimizers.apollo.APOLLOMini: rank-1, tensor-wise APOLLO (PAPER.md 2.5), beyond the
+"""Claims about optimizers.apollo.APOLLOMini: rank-1, tensor-wise APOLLO (Zhu et al. 2024), beyond the
 contract (test_contract.py).
 
 The reference match runs apollo_torch.APOLLOAdamW with its README's APOLLO-Mini group (rank 1,

@@ -1,4 +1,4 @@
-"""The optimizer contract (DESIGN.md sections 4 and 7), for every method in `optimizers.METHODS`.
+"""The optimizer contract (docs/architecture.md: the optimizer contract, house style), for every method in `optimizers.METHODS`.
 
 Each registered name is run through the same checks, listed once in `harness.CONTRACT_CHECKS`:
 the case decides whether the method reduces to AdamW, determinism, exact resume across a refresh

@@ -1,4 +1,4 @@
-"""Claims about optimizers.fira.FiraAdamW (PAPER.md 2.4) beyond the contract (test_contract.py):
+"""Claims about optimizers.fira.FiraAdamW (Chen et al. 2024) beyond the contract (test_contract.py):
 step-by-step match with fira, the residual and its norm-growth limiter, state layout, defaults."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Claims about optimizers.galore.GaLoreAdamW (PAPER.md 2.3) beyond the contract (test_contract.py):
+"""Claims about optimizers.galore.GaLoreAdamW (Zhao et al. 2024) beyond the contract (test_contract.py):
 step-by-step match with galore-torch, its state layout and defaults, its worked memory formula."""
 
 from __future__ import annotations

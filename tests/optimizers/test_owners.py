@@ -11,7 +11,6 @@ all-to-alls per bucket."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -20,10 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from _common import child_env
 
 from optimizers import assign_owners, shard_rows, whole_cost
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("rows", [0, 1, 5, 7, 64, 172, 512])
@@ -245,9 +243,7 @@ WORKER = textwrap.dedent(
 def _run(world: int, out: Path) -> dict:
     worker = out / "worker.py"
     worker.write_text(WORKER)
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
-    )
+    env = child_env()
     from distributed_helpers import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world)]
@@ -264,6 +260,7 @@ def report(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", METHODS)
+@pytest.mark.multiprocess
 def test_owner_steps_equal_one_process_bitwise(name, report):
     world, rep = report
     r = rep[name]
@@ -279,6 +276,7 @@ def test_owner_steps_equal_one_process_bitwise(name, report):
 
 
 @pytest.mark.parametrize("name", METHODS)
+@pytest.mark.multiprocess
 def test_each_rank_holds_its_share_of_the_state_and_bases_are_computed_once(name, report):
     world, rep = report
     r = rep[name]

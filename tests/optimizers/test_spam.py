@@ -1,4 +1,4 @@
-"""Claims about optimizers.stable_spam.SPAM (PAPER.md 2.2, last sentence) beyond the contract
+"""Claims about optimizers.stable_spam.SPAM (Huang et al., ICLR 2025) beyond the contract
 (test_contract.py): the rule against an independent transcription, clipping, reset, re-warm."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Claims about optimizers.stable_spam.StableSPAM (PAPER.md 2.2 and 5) beyond the contract
+"""Claims about optimizers.stable_spam.StableSPAM (Huang et al. 2025; docs/methods.md) beyond the contract
 (test_contract.py): the official rule against an independent reference, the official reset step,
 clipping, the global-step rule kept as an option, annealing."""
 
