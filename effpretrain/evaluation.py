@@ -26,6 +26,7 @@ import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ import torch
 from effpretrain.data import ValidationSet
 from effpretrain.loss import DEFAULT_CHUNK_TOKENS, token_loss_sum
 
-__all__ = ["EvalResult", "evaluate", "from_totals"]
+__all__ = ["EvalResult", "evaluate", "evaluate_checkpoint", "from_totals"]
 
 #: exp of a loss is capped here (a diverged run's loss would overflow float).
 MAX_LOG_PPL = 50.0
@@ -136,3 +137,83 @@ def evaluate(
             totals += torch.stack([s, c, s / c, torch.ones_like(s)])
     loss_sum, tokens, mean_sum, batches = all_reduce_sum(totals).tolist()
     return from_totals(loss_sum, round(tokens), mean_sum, round(batches), n)
+
+
+def evaluate_checkpoint(checkpoint: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
+    """Evaluates a checkpoint's model on the validation set of its own config (`effpretrain eval`).
+
+    Builds only what evaluation needs (the processes, the validation set, the model with the
+    checkpoint's weights), not a trainer. Any number of processes (one, or a DDP launch such as
+    ``torchrun --nproc_per_node N``), for a checkpoint written by any number of processes: every
+    process reads the whole weights (FSDP2's sharded ones too) into a fresh model, so evaluation
+    needs no sharding. The validation set is `train.eval_tokens` target tokens (the config's, or
+    ``--set train.eval_tokens=N``), the same rows and batches whatever the process count, so the
+    result is the same up to the order of an fp64 sum. Nothing in the run folder is written.
+
+    Returns:
+        checkpoint, step, world_size, and the eval record: val_loss, val_ppl (exact), val_tokens,
+        val_ppl_benchmark_convention; val_sequences and val_batches.
+    """
+    import tempfile
+
+    from effpretrain import checkpoint as ckpt
+
+    path = ckpt.resolve_checkpoint(checkpoint, "eval")
+    state = ckpt.load_checkpoint(path)
+    cfg = _saved_config(state["trainer"]["config"], overrides or [], path)
+    weights = ckpt.read_model_state(path, state)
+    with tempfile.TemporaryDirectory() as scratch:  # the run folder is not touched
+        acc, val, model = _evaluation_set_up(cfg, Path(scratch))
+        ckpt.load_model_weights(model, weights, path)
+        model.eval()
+        result = evaluate(
+            model,
+            val,
+            cfg.train.batch_size,
+            rank=acc.process_index,
+            world=acc.num_processes,
+            device=acc.device,
+            autocast=acc.autocast,
+            all_reduce_sum=lambda t: acc.reduce(t, reduction="sum"),
+            loss=cfg.train.loss,
+            chunk_tokens=cfg.train.loss_chunk_tokens,
+        )
+    return {
+        "checkpoint": str(path),
+        "step": int(state["trainer"]["step"]),
+        "world_size": acc.num_processes,
+        **result.record(),
+        "val_sequences": result.sequences,
+        "val_batches": result.batches,
+    }
+
+
+def _saved_config(saved: dict[str, Any], overrides: list[str], path: Path) -> Any:
+    """The checkpoint's resolved config with this command's overrides. The evaluation's size is
+    this command's setting, not part of the trained model: a checkpoint written before
+    train.eval_tokens existed still records train.eval_batches, which is dropped."""
+    from effpretrain.config import apply_overrides, from_dict, validate
+
+    saved = dict(saved)
+    if isinstance(saved.get("train"), dict):
+        saved["train"] = {k: v for k, v in saved["train"].items() if k != "eval_batches"}
+    return validate(apply_overrides(from_dict(saved, str(path)), overrides), str(path))
+
+
+def _evaluation_set_up(cfg: Any, scratch: Path) -> tuple[Any, ValidationSet, torch.nn.Module]:
+    """The processes (checked as a training launch is), the validation set and the placed model."""
+    from accelerate.utils import set_seed
+
+    from effpretrain import data as data_mod
+    from effpretrain.launch import check_launch, make_accelerator
+    from effpretrain.run_model import build_run_model, place_model
+
+    acc = make_accelerator(cfg, scratch)
+    check_launch(acc.num_processes, cfg)
+    set_seed(cfg.train.seed)
+    with acc.main_process_first():
+        corpus = data_mod.load_corpus(cfg.data)
+        tok = data_mod.load_tokenizer(cfg.data, corpus)
+    val = data_mod.validation_set(corpus, tok, cfg.data.seq_len, cfg.data.mode, cfg.train.eval_tokens)
+    model, _ = build_run_model(cfg, tok.vocab_size)
+    return acc, val, place_model(model, cfg, acc.device, 0)

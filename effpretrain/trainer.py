@@ -1,46 +1,49 @@
 """The training loop: Accelerate, gradient accumulation, clipping, events, eval, checkpoints.
 
-Read top to bottom: `train()` builds a `Trainer` from a RunConfig (its set-up steps: processes,
-data, model, optimizer, resume) and runs `Trainer.fit()`, a loop of named steps (train step, log,
-maybe evaluate, maybe save) and then a finish (final eval, checkpoint, summary). One optimizer
-step = ``grad_accum`` micro-batches per process; the loss is the token-weighted mean over the
-whole global batch (every rank, every micro-batch), so the gradient does not depend on how the
-batch is split across micro-steps or processes. The README's "How a run flows" names the module
-for each stage.
+Read top to bottom: `train()` builds a `Trainer` from a RunConfig (its set-up steps: processes and
+launch mode, data, model, optimizer, checkpointer, resume) and runs `Trainer.fit()`, a loop of
+named steps (train step, log, maybe evaluate, maybe save) and then a finish (final eval,
+checkpoint, summary). One optimizer step = ``grad_accum`` micro-batches per process; the loss is
+the token-weighted mean over the whole global batch (every rank, every micro-batch), so the
+gradient does not depend on how the batch is split across micro-steps or processes. What differs
+between one process, DDP, DDP with updates in backward and FSDP2 is the launch mode's
+(`effpretrain.launch`), chosen once; the loop does not branch on it. docs/architecture.md names
+the module for each stage.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import optimizers
-from effpretrain import checkpoint as ckpt
 from effpretrain import data as data_mod
-from effpretrain import evaluation, flops, fsdp, memory, memory_measure
+from effpretrain import evaluation, flops, memory, memory_measure
+from effpretrain.checkpoint import Checkpointer, find_resume
+from effpretrain.checkpoint import complete_checkpoints as _complete_checkpoints
 from effpretrain.compile import check_compilable, compile_seconds
-from effpretrain.config import RunConfig, apply_overrides, dump_yaml, from_dict, to_dict, validate
+from effpretrain.config import RunConfig, dump_yaml
 from effpretrain.errors import ConfigError
-from effpretrain.evaluation import EvalResult
-from effpretrain.in_backward import AllReduceMean, InBackward, broadcast_module_, check_same_order
-from effpretrain.launch import check_launch, make_accelerator
+from effpretrain.evaluation import EvalResult, evaluate_checkpoint
+from effpretrain.in_backward import InBackward
+from effpretrain.launch import check_launch, choose_launch, make_accelerator
 from effpretrain.loss import token_loss_sum
 from effpretrain.models.factorized import end_warm_start_, factor_spec, warming_up
 from effpretrain.optim_setup import build_optimizer_and_schedule, opt_telemetry, warm_start_steps
 from effpretrain.reporting import RunClock, RunReport, build_summary
 from effpretrain.run_model import build_run_model, place_model
+from effpretrain.run_state import EXACTNESS_KEYS, DataPosition, OptionalPart, Progress, RngState, RunFacts
 from effpretrain.signals import StopSignals
 from optimizers._sharded import local as _local
 
 __all__ = [
+    "EXACTNESS_KEYS",
     "NonFiniteError",
     "Progress",
     "Trainer",
@@ -53,28 +56,9 @@ __all__ = [
 
 log = logging.getLogger("effpretrain")
 
-# Config sections whose change breaks exact resume (issue: resume must refuse them).
-EXACTNESS_KEYS = {
-    "model": None,
-    "factor": None,
-    "optim": ("name", "rank", "update_proj_gap", "proj_type", "basis", "targets", "extra"),
-    "data": None,
-    "train": ("batch_size", "grad_accum", "seed", "precision", "update_in_backward"),
-}
-
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive non-finite steps: a training failure, reported without a traceback."""
-
-
-@dataclass
-class Progress:
-    """Where the run is: optimizer steps taken, tokens trained, skipped (non-finite) steps."""
-
-    step: int = 0
-    tokens: int = 0
-    skipped: int = 0
-    consecutive_skips: int = 0
 
 
 class Trainer:
@@ -108,8 +92,9 @@ class Trainer:
         self._measured: dict[str, Any] | None = None  # this step's, until it is reported
         self._saved_step: int | None = None  # the step whose checkpoint this run wrote or resumed
         self._evaluated_step: int | None = None  # the step this run last evaluated
+        self.checkpointer = self._checkpointer(allow_config_change)
         if self.resume_path is not None:
-            self._load(self.resume_path, allow_config_change)
+            self._load(self.resume_path)
         self._end_warm_start_if_due()  # a run resumed past its switch trains the factors
 
     # -- set-up steps -------------------------------------------------------------------------
@@ -117,8 +102,8 @@ class Trainer:
         from accelerate.utils import set_seed
 
         self.acc = make_accelerator(self.cfg, self.out)
-        self.rank, self.world = self.acc.process_index, self.acc.num_processes
-        self.is_main = self.acc.is_main_process
+        self.launch = choose_launch(self.acc, self.cfg)
+        self.rank, self.world, self.is_main = self.launch.rank, self.launch.world, self.launch.is_main
         check_launch(self.world, self.cfg)
         if self.cfg.train.compile:
             try:
@@ -134,12 +119,12 @@ class Trainer:
         tokenizer's configured size, or the preset's for a named tokenizer (not loaded yet)."""
         d = self.cfg.data
         vocab = d.vocab_size if d.tokenizer == "builtin-bpe" else None
-        est = memory.estimate_from_config(self.cfg, vocab, self.world, self._sharding())
+        est = memory.estimate_from_config(self.cfg, vocab, self.world, self.launch.sharding)
         memory_measure.check_fits(est, self.acc.device)
 
     def _resume_target(self, resume: str | None) -> Path | None:
-        path = ckpt.find_resume(self.out, resume) if resume else None
-        if resume is None and ckpt.complete_checkpoints(self.out / "checkpoints"):
+        path = find_resume(self.out, resume) if resume else None
+        if resume is None and _complete_checkpoints(self.out / "checkpoints"):
             raise ConfigError(
                 f"{self.out} already holds checkpoints; pass --resume auto or choose another --out"
             )
@@ -169,18 +154,16 @@ class Trainer:
     def _build_model(self) -> torch.nn.Module:
         model, self.factor_report = build_run_model(self.cfg, self.tok.vocab_size)
         model = place_model(model, self.cfg, self.acc.device, self._checkpointed_layers())
-        # FSDP2: shard before the optimizer is built, since fully_shard replaces the parameters.
-        self.fsdp = self.world > 1 and self.cfg.dist.sharding == "fsdp2"
-        if self.fsdp:
-            model = fsdp.apply_fsdp2(model)
-        return model
+        return self.launch.shard(model)  # FSDP2 before the optimizer: fully_shard replaces parameters
 
     def _checkpointed_layers(self) -> int | list[int]:
         """`train.activation_checkpointing`; for ``auto`` the estimator's plan, logged."""
         t = self.cfg.train
         if t.activation_checkpointing != "auto":
             return t.activation_checkpointing
-        layers, est = memory.plan_checkpointing(self.cfg, self.tok.vocab_size, self.world, self._sharding())
+        layers, est = memory.plan_checkpointing(
+            self.cfg, self.tok.vocab_size, self.world, self.launch.sharding
+        )
         log.info(
             "activation_checkpointing=auto: layers %s within %g GB (estimated peak %.3f GB)",
             layers,
@@ -193,57 +176,50 @@ class Trainer:
         opt, self.sched = build_optimizer_and_schedule(model, self.cfg)
         self.inner_opt = opt
         self.inb: InBackward | None = None
-        # DDP with updates in backward: no DDP wrapper (its buckets would keep every gradient
-        # alive); each final gradient is all-reduced in its hook instead (`_set_up_in_backward`).
-        self.ddp_in_backward = self.world > 1 and not self.fsdp and self.cfg.train.update_in_backward
-        if self.fsdp or self.ddp_in_backward:
-            # Not through acc.prepare: without Accelerate's FSDP plugin it would wrap in DDP.
-            self.model, self.opt = model, opt
-        else:
-            self.model, self.opt = self.acc.prepare(model, opt)
-        if (
-            self.world > 1
-            and not self.fsdp
-            and not self.ddp_in_backward
-            and not isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
-        ):
-            raise ConfigError(
-                f"{self.world} processes but the model is not wrapped in DDP (got {type(self.model).__name__})"
-            )
+        self.model, self.opt = self.launch.wrap(model, opt)
         self._set_up_in_backward()
 
     def _set_up_in_backward(self) -> None:
         """`train.update_in_backward`: the hooks that step each parameter inside backward, on the
-        parameters that train now (again after a warm start's switch).
-
-        DDP (unwrapped model): every rank starts from rank 0's weights (broadcast here, also the
-        factors a warm start's switch creates) and each final gradient is averaged over the ranks
-        in its hook (`in_backward.AllReduceMean`), so the replicas stay equal. FSDP2: the hooks run
-        on each sharded parameter right after its reduce-scatter (FSDP2 calls them), which this
-        mode asks for on every micro-step (`_forward_backward`)."""
+        parameters that train now (again after a warm start's switch); the launch mode says what
+        a hook does to a final gradient first (DDP: average it over the ranks)."""
         if not self.cfg.train.update_in_backward:
             return
+        prev = self.inb.prev_norm if self.inb is not None else None
         if self.inb is not None:
             self.inb.remove()
-        prev = self.inb.prev_norm if self.inb is not None else None
-        model = self.acc.unwrap_model(self.model)
-        reduce = None
-        if self.ddp_in_backward:
-            broadcast_module_(model)
-            reduce = AllReduceMean(self.world)
+        model = self.launch.unwrap(self.model)
+        reduce = self.launch.in_backward_reduce(model)
         self.inb = InBackward(
             list(model.parameters()), self.inner_opt, max_norm=self.cfg.train.grad_clip, reduce=reduce
         )
         self.inb.prev_norm = prev
+
+    def _checkpointer(self, allow_config_change: bool) -> Checkpointer:
+        """The run's checkpoints as named parts (`effpretrain.checkpoint.states`)."""
+        parts = {
+            "run": RunFacts(self.cfg, self.world, self.launch.sharding, allow_config_change),
+            "scheduler": self.sched,
+            "in_backward": OptionalPart(lambda: self.inb),
+            "data": DataPosition(self.stream, self.launch),
+            "rng": RngState(),
+            "progress": self.progress,
+        }
+        return Checkpointer(
+            self.out / "checkpoints",
+            self.launch,
+            parts,
+            model=lambda: self.model,
+            opt=self.inner_opt,
+            config_yaml=lambda: dump_yaml(self.cfg),
+            keep=self.cfg.train.keep_checkpoints,
+        )
 
     @property
     def tokens_per_step(self) -> int:
         """Tokens in one optimizer step over all processes: batch x accumulation x world x seq_len."""
         t = self.cfg.train
         return t.batch_size * t.grad_accum * self.world * self.cfg.data.seq_len
-
-    def _sharding(self) -> str:
-        return self.cfg.dist.sharding if self.world > 1 else "none"
 
     # -- the loop -----------------------------------------------------------------------------
     def fit(self, stop: StopSignals | None = None) -> dict[str, Any]:
@@ -296,14 +272,7 @@ class Trainer:
     def _stop_agreed(self, stop: StopSignals) -> bool:
         """Whether to leave the loop for a signal. A stop asked of any process stops all of them
         at the same step (a signal can reach the ranks on either side of a step boundary)."""
-        local = stop.requested
-        if self.world == 1:
-            return local is not None
-        import torch.distributed as dist
-
-        flag = torch.tensor(local or 0, device=self.acc.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        agreed = int(flag.item())
+        agreed = self.launch.agree_max(stop.requested or 0)
         if agreed and stop.requested is None:
             stop.agreed = agreed  # not `requested`: this process's own first signal stays graceful
         return agreed != 0
@@ -337,34 +306,17 @@ class Trainer:
         steps) beside the estimate to metrics.jsonl, and keeps it for summary.json."""
         if self._measured is None:
             return
-        ranks, self._measured = self._gather_small(self._measured), None
+        ranks, self._measured = self.launch.gather(self._measured), None
         self.memory_records.append(ranks)
-        est = memory.estimate_from_config(self.cfg, self.tok.vocab_size, self.world, self._sharding())
+        est = memory.estimate_from_config(self.cfg, self.tok.vocab_size, self.world, self.launch.sharding)
         rec = {"event": "memory", "step": ranks[0]["step"], "measured": ranks[0], "estimate": est.as_dict()}
-        if self.world > 1:
+        if len(ranks) > 1:
             rec["ranks"] = ranks
         report.write(rec)
 
     def _telemetry(self) -> dict[str, Any]:
-        """The optimizer's telemetry. Under FSDP2 each owner rank computes its own parameters'
-        bases, so ``opt/refreshes`` is summed over the ranks (the bases the run computed) and
-        ``opt/refresh_s`` is the slowest rank's (a collective then: every rank calls it)."""
-        tel = opt_telemetry(self.inner_opt)
-        if self.fsdp and "opt/refreshes" in tel:
-            ranks = self._gather_small(tel)
-            tel["opt/refreshes"] = sum(r["opt/refreshes"] for r in ranks)
-            tel["opt/refresh_s"] = max(r["opt/refresh_s"] for r in ranks)
-        return tel
-
-    def _gather_small(self, obj: Any) -> list[Any]:
-        """`obj` from every rank, in rank order (a small picklable object)."""
-        if self.world == 1:
-            return [obj]
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
+        """The optimizer's telemetry over the run's processes (a collective under FSDP2)."""
+        return self.launch.telemetry(opt_telemetry(self.inner_opt))
 
     def _skip(self, report: RunReport, loss: float, gnorm: float) -> None:
         """Records a non-finite step (nothing advanced) and stops after too many in a row."""
@@ -388,37 +340,18 @@ class Trainer:
     def _end_warm_start_if_due(self) -> None:
         """The warm start's switch, once `factor.warm_start_steps` steps are done (right after that
         step, or on resuming past it): W0 frozen with its optimizer state freed, B and A trainable
-        (`end_warm_start_`). DDP all-reduces only the parameters that required grad when it wrapped
-        the model, so the model is wrapped again for the factors."""
+        (`end_warm_start_`); the launch mode wraps the model again where its wrapper reduces only
+        what required grad when it wrapped (DDP)."""
         n = self.cfg.factor.warm_start_steps
-        model = self.acc.unwrap_model(self.model)
+        model = self.launch.unwrap(self.model)
         if not n or self.progress.step < n or not warming_up(model):
             return
         end_warm_start_(model, self.inner_opt)
         # Measured again in the factor phase, the one the summary describes (also after a resume).
         self.grad_bytes = 0
-        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
-            self._rewrap_ddp()
+        self.model = self.launch.rewrap(self.model)
         self._set_up_in_backward()
         log.info("step %d: warm start done, training the factors from here", self.progress.step)
-
-    def _rewrap_ddp(self) -> None:
-        """A new DDP around the same module, built as Accelerate built the old one (its kwargs
-        handler and device ids); Accelerate's reference to the old wrapper is replaced so the old
-        reducer and its gradient hooks are released."""
-        old, handler = self.model, self.acc.ddp_handler
-        new = torch.nn.parallel.DistributedDataParallel(
-            old.module,
-            device_ids=old.device_ids,
-            output_device=old.output_device,
-            **(handler.to_kwargs() if handler is not None else {}),
-        )
-        if handler is not None:
-            handler.register_comm_hook(new)
-        new._is_accelerate_prepared = True
-        models = self.acc._models
-        models[:] = [new if m is old else m for m in models]
-        self.model = new
 
     def _log_step(self, report: RunReport, clock: RunClock, loss: float, gnorm: float) -> None:
         p, t = self.progress, self.cfg.train
@@ -483,40 +416,33 @@ class Trainer:
             grad_bytes_source=self.grad_bytes_source,
             memory_records=self.memory_records,
             telemetry=self._telemetry(),
-            state_ranks=self._gather_small(optimizers.measured_state_bytes(self.inner_opt)),
+            state_ranks=self.launch.gather(optimizers.measured_state_bytes(self.inner_opt)),
             vocab_size=self.tok.vocab_size,
-            sharding=self._sharding(),
+            sharding=self.launch.sharding,
             compile_s=compile_seconds() - self.compile_s_before if self.cfg.train.compile else 0.0,
         )
         report.finish(summary)
         return summary
 
     def _train_step(self) -> tuple[float, float, bool]:
-        """Accumulates one global batch, clips, steps; returns (loss, grad_norm, finite).
+        """Accumulates one global batch, finishes it (clipping, or the in-backward engine's end of
+        the step), steps; returns (loss, grad_norm, finite).
 
         With `train.update_in_backward` the parameters were already updated inside the backward
         passes (`effpretrain.in_backward`); what is left is the wrapper's bookkeeping (restarts),
         which ``optimizer.step()`` runs on no gradients, and the schedule."""
         snap = self.stream.snapshot()
         loss = self._forward_backward()
+        gnorm, finite = self.launch.finish_step(self.model, self.inb, loss)
         if self.inb is not None:
-            gnorm = self.inb.finish()
-            if self.ddp_in_backward:
-                check_same_order(self.inb.order, self.acc.device)
             self.opt_seconds += self.inb.step_seconds
             self.inb.step_seconds = 0.0
-            # A step that updated any parameter has happened: it counts, and the data moves on.
-            finite = len(self.inb.params) > self.inb.skipped
             if self.inb.skipped:
                 log.warning(
                     "step %d: %d parameters with non-finite gradients were not updated",
                     self.progress.step + 1,
                     self.inb.skipped,
                 )
-        else:
-            # One norm for every launch mode (fp64 partial sums): one process, DDP and FSDP2 clip alike.
-            gnorm = fsdp.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
-            finite = math.isfinite(loss) and math.isfinite(gnorm)
         if finite:
             t0 = time.perf_counter()
             self.opt.step()
@@ -539,16 +465,7 @@ class Trainer:
             last = k == K - 1
             if self.inb is not None:
                 self.inb.begin_micro(k, K)
-            if self.fsdp:
-                # Reduce-scatter only on the last micro-step; earlier ones accumulate unsharded grads.
-                # Updates in backward reduce-scatter every micro-step: the hooks then accumulate
-                # 1/N-size shards instead of FSDP2 keeping whole (unsharded) accumulated gradients.
-                self.model.set_requires_gradient_sync(last or self.inb is not None)
-                sync = contextlib.nullcontext()
-            elif self.ddp_in_backward:
-                sync = contextlib.nullcontext()  # no DDP wrapper: the hooks all-reduce (last micro-step)
-            else:
-                sync = contextlib.nullcontext() if last else self.acc.no_sync(self.model)
+            sync = self.launch.micro_sync(self.model, last, self.inb is not None)
             with sync, self.acc.autocast():
                 t = self.cfg.train
                 s, _ = token_loss_sum(
@@ -577,15 +494,15 @@ class Trainer:
             self.grad_bytes_source = "measured_peak_in_backward"
             return int(self._measured["gradients"])
         self.grad_bytes_source = "estimate_in_backward"
-        return memory.estimate_from_config(self.cfg, self.tok.vocab_size, self.world, self._sharding()).grads
+        return memory.estimate_from_config(
+            self.cfg, self.tok.vocab_size, self.world, self.launch.sharding
+        ).grads
 
     def evaluate(self) -> EvalResult:
         """Exact token-weighted validation loss over the fixed validation set (`train.eval_tokens`
         target tokens), its perplexity and the benchmark-convention one (`effpretrain.evaluation`),
         with batches of `train.batch_size` rows split across the processes."""
-        # DDP: the bare module (no per-forward buffer broadcast, so ranks may run unequal batch
-        # counts); FSDP2's forward gathers shards collectively, so its ranks run in lockstep.
-        model = self.model if self.fsdp else self.acc.unwrap_model(self.model)
+        model, lockstep = self.launch.eval_view(self.model)
         model.eval()
         try:
             return evaluation.evaluate(
@@ -597,7 +514,7 @@ class Trainer:
                 device=self.acc.device,
                 autocast=self.acc.autocast,
                 all_reduce_sum=lambda t: self.acc.reduce(t, reduction="sum"),
-                lockstep=self.fsdp,
+                lockstep=lockstep,
                 loss=self.cfg.train.loss,
                 chunk_tokens=self.cfg.train.loss_chunk_tokens,
             )
@@ -605,184 +522,17 @@ class Trainer:
             self.model.train()
 
     # -- checkpoints --------------------------------------------------------------------------
-    def _trainer_state(self) -> dict[str, Any]:
-        p = self.progress
-        st = {
-            "step": p.step,
-            "tokens": p.tokens,
-            "skipped": p.skipped,
-            "data": self._data_state(),
-            "scheduler": self.sched.state_dict(),
-            "rng_cpu": torch.get_rng_state(),
-            "world_size": self.world,
-            "sharding": self._sharding(),
-            "config": to_dict(self.cfg),
-        }
-        if self.inb is not None:
-            st["in_backward"] = self.inb.state_dict()
-        if torch.cuda.is_available():
-            st["rng_cuda"] = torch.cuda.get_rng_state()
-        return st
-
-    def _data_state(self) -> dict[str, Any]:
-        """The stream position; a per-rank stream's is every rank's, gathered (the list
-        `ranks`, indexed by rank), each restored to its own rank."""
-        state = self.stream.state_dict()
-        if not self.stream.per_rank:
-            return state
-        if self.world == 1:
-            return {"ranks": [state]}
-        import torch.distributed as dist
-
-        states: list[Any] = [None] * self.world
-        dist.all_gather_object(states, state)
-        return {"ranks": states}
-
     def save(self) -> Path | None:
-        """Writes this step's checkpoint (every process takes part; rank 0 commits it) and returns
-        its folder on rank 0.
-
-        Raises:
-            effpretrain.checkpoint.CheckpointWriteError: on every rank, when any rank's write
-                failed (no space left, an I/O error); the partial folder is gone, the earlier
-                checkpoints are untouched.
-        """
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        self.acc.wait_for_everyone()
-        step, root = self.progress.step, self.out / "checkpoints"
-        path, cause = None, None
-        try:
-            path = self._write_checkpoint(root, step)
-        except (OSError, CheckpointException) as e:  # (DCP's wrapper is a BaseException)
-            cause = ckpt.write_error_cause(e)
-        # Every rank learns of any rank's failure, so none waits for a checkpoint that never comes.
-        cause = next((c for c in self._gather_small(cause) if c is not None), None)
-        if cause is not None:
-            if self.is_main:
-                ckpt.discard_temp(root, step)  # FSDP2's shared folder (a whole write cleans its own)
-            newest = ckpt.complete_checkpoints(root)
-            raise ckpt.CheckpointWriteError(root / f"step-{step}", cause, newest[-1] if newest else None)
-        self._saved_step = step
-        if path is not None:
-            log.info("saved checkpoint %s", path)
-        self.acc.wait_for_everyone()
+        """Writes this step's checkpoint (`Checkpointer.save`: every process takes part; a failed
+        write raises `effpretrain.checkpoint.CheckpointWriteError` on every rank)."""
+        path = self.checkpointer.save(self.progress.step)
+        self._saved_step = self.progress.step
         return path
 
-    def _write_checkpoint(self, root: Path, step: int) -> Path | None:
-        """This rank's part of checkpoint `step`: FSDP2's shards from every rank into rank 0's
-        temporary folder (DCP), then rank 0 adds trainer.pt (with the optimizer's non-tensor
-        skeleton) and commits; otherwise rank 0 writes the whole model and optimizer."""
-        trainer_state = self._trainer_state()
-        config_yaml, keep = dump_yaml(self.cfg), self.cfg.train.keep_checkpoints
-        if self.fsdp:
-            import torch.distributed as dist
-
-            box = [str(ckpt.temp_folder(root, step)) if self.is_main else None]
-            dist.broadcast_object_list(box, src=0)
-            tmp = Path(box[0])
-            trainer_state["optimizer_skeleton"] = fsdp.save_sharded(tmp / "dcp", self.model, self.inner_opt)
-            self.acc.wait_for_everyone()
-            if not self.is_main:
-                return None
-            return ckpt.save_checkpoint(
-                root, step, trainer_state=trainer_state, config_yaml=config_yaml, keep=keep, tmp=tmp
-            )
-        if not self.is_main:
-            return None
-        return ckpt.save_checkpoint(
-            root,
-            step,
-            model_state=self.acc.unwrap_model(self.model).state_dict(),
-            optimizer_state=self.inner_opt.state_dict(),
-            trainer_state=trainer_state,
-            config_yaml=config_yaml,
-            keep=keep,
-        )
-
-    def _check_compatible(self, saved: dict[str, Any], allow: bool) -> None:
-        now = to_dict(self.cfg)
-        diffs = []
-        for section, keys in EXACTNESS_KEYS.items():
-            a, b = saved.get(section, {}), now[section]
-            for k in keys or b.keys():
-                if a.get(k) != b.get(k):
-                    diffs.append(f"{section}.{k}: {a.get(k)!r} -> {b.get(k)!r}")
-        if diffs and not allow:
-            raise ConfigError(
-                "resume config differs in what exact resume depends on ("
-                + "; ".join(diffs[:4])
-                + "); pass --allow-config-change to resume anyway"
-            )
-
-    def _load(self, path: Path, allow_config_change: bool) -> None:
-        state = ckpt.load_checkpoint(path)
-        tr = state["trainer"]
-        self._check_compatible(tr.get("config", {}), allow_config_change)
-        if tr.get("world_size", 1) != self.world:
-            raise ConfigError(
-                f"checkpoint {path} was written by {tr.get('world_size')} processes, this run has {self.world}; "
-                "resume with the same number of processes"
-            )
-        saved_sharding = tr.get("sharding", "ddp" if self.world > 1 else "none")
-        if "fsdp2" in (saved_sharding, self._sharding()) and saved_sharding != self._sharding():
-            # An FSDP2 checkpoint is sharded (dcp/), the others are whole files: not interchangeable.
-            raise ConfigError(
-                f"checkpoint {path} was written with dist.sharding={saved_sharding}, this run uses "
-                f"{self._sharding()}; resume with the same dist.sharding"
-            )
-        model = self.acc.unwrap_model(self.model)
-        if self.fsdp:
-            from torch.distributed.checkpoint.api import CheckpointException
-
-            # Each rank reads its own shards of the model and of the sharded optimizer state.
-            try:
-                fsdp.load_sharded(path / "dcp", model, self.inner_opt, tr["optimizer_skeleton"])
-            except ConfigError:
-                raise  # already one line naming the checkpoint (the weight loader's check)
-            except (ValueError, KeyError, RuntimeError, CheckpointException) as e:
-                # (CheckpointException is a BaseException: DCP's wrapper of any rank's read error.)
-                raise ConfigError(
-                    f"checkpoint {path}: sharded state unreadable or does not match ({fsdp.dcp_error(e)})"
-                ) from None
-        else:
-            ckpt.load_model_weights(model, state["model"], path)
-            try:
-                self.inner_opt.load_state_dict(state["optimizer"])
-            except (ValueError, KeyError, RuntimeError) as e:
-                raise ConfigError(
-                    f"checkpoint {path}: optimizer state does not match ({e})".splitlines()[0]
-                ) from None
-        self.sched.load_state_dict(tr["scheduler"])
-        if self.inb is not None:
-            self.inb.load_state_dict(tr.get("in_backward", {}))
-        self._load_data_state(tr["data"], path)
-        torch.set_rng_state(tr["rng_cpu"])
-        if "rng_cuda" in tr and torch.cuda.is_available():
-            torch.cuda.set_rng_state(tr["rng_cuda"])
-        self.progress = Progress(
-            step=int(tr["step"]), tokens=int(tr["tokens"]), skipped=int(tr.get("skipped", 0))
-        )
+    def _load(self, path: Path) -> None:
+        self.checkpointer.load(path)
         self._saved_step = self.progress.step  # this step's checkpoint exists
         log.info("resumed from %s at step %d", path, self.progress.step)
-
-    def _load_data_state(self, saved: dict[str, Any], path: Path) -> None:
-        """This rank's stream position (a per-rank stream's from the gathered `ranks`)."""
-        if self.stream.per_rank != ("ranks" in saved):
-            raise ConfigError(
-                f"checkpoint {path}: its data position is "
-                f"{'per rank' if 'ranks' in saved else 'global'} but this run's source reads "
-                f"{'per rank' if self.stream.per_rank else 'globally'}; resume with the same data.source"
-            )
-        if "ranks" not in saved:
-            self.stream.load_state_dict(saved)
-            return
-        if len(saved["ranks"]) != self.world:  # each rank's documents depend on the world size
-            raise ConfigError(
-                f"checkpoint {path} holds the data positions of {len(saved['ranks'])} ranks, this run "
-                f"has {self.world}; a streamed source resumes with the same number of processes"
-            )
-        self.stream.load_state_dict(saved["ranks"][self.rank])
 
 
 def due(every: int, step: int, max_steps: int) -> bool:
@@ -846,44 +596,3 @@ def train(
     """
     with StopSignals() as stop:
         return Trainer(cfg, Path(out_dir), resume, allow_config_change, allow_oversubscribe).fit(stop)
-
-
-def evaluate_checkpoint(checkpoint: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
-    """Evaluates a checkpoint's model on the validation set of its own config (`effpretrain eval`).
-
-    Any number of processes (one, or a DDP launch such as ``torchrun --nproc_per_node N``), for a
-    checkpoint written by any number of processes: every process reads the whole weights (FSDP2's
-    sharded ones too) into a fresh model, so evaluation needs no sharding (``dist.sharding`` is
-    ddp here). The validation set is `train.eval_tokens` target tokens (the config's, or
-    ``--set train.eval_tokens=N``), the same rows and batches whatever the process count, so the
-    result is the same up to the order of an fp64 sum. Nothing in the run folder is written.
-
-    Returns:
-        checkpoint, step, world_size, and the eval record: val_loss, val_ppl (exact), val_tokens,
-        val_ppl_benchmark_convention; val_sequences and val_batches.
-    """
-    import tempfile
-
-    path = ckpt.resolve_checkpoint(checkpoint, "eval")
-    state = ckpt.load_checkpoint(path)
-    saved = dict(state["trainer"]["config"])
-    # The evaluation's size is this command's setting, not part of the trained model: a
-    # checkpoint written before train.eval_tokens existed still records train.eval_batches.
-    if isinstance(saved.get("train"), dict):
-        saved["train"] = {k: v for k, v in saved["train"].items() if k != "eval_batches"}
-    cfg = validate(apply_overrides(from_dict(saved, str(path)), overrides or []), str(path))
-    cfg.dist.sharding = "ddp"
-    weights = ckpt.read_model_state(path, state)
-    with tempfile.TemporaryDirectory() as scratch:  # a fresh trainer: the run folder is not touched
-        # No pre-flight: evaluation holds no gradients, optimizer state or training activations.
-        trainer = Trainer(cfg, Path(scratch), allow_oversubscribe=True)
-        ckpt.load_model_weights(trainer.acc.unwrap_model(trainer.model), weights, path)
-        result = trainer.evaluate()
-    return {
-        "checkpoint": str(path),
-        "step": int(state["trainer"]["step"]),
-        "world_size": trainer.world,
-        **result.record(),
-        "val_sequences": result.sequences,
-        "val_batches": result.batches,
-    }

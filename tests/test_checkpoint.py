@@ -8,7 +8,7 @@ import inspect
 import pytest
 import torch
 
-from effpretrain import fsdp
+from effpretrain.checkpoint import sharded
 from effpretrain.checkpoint import (
     complete_checkpoints,
     load_checkpoint,
@@ -92,13 +92,13 @@ def test_sharded_optimizer_state_is_keyed_by_parameter_name():
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     opt.step()
-    saved = fsdp._keyed_by_name(opt.state_dict(), fsdp._param_names(model, opt))
+    saved = sharded._keyed_by_name(opt.state_dict(), sharded._param_names(model, opt))
     names = dict(model.named_parameters())
     assert set(saved["state"]) == set(names)
     assert saved["param_groups"][1]["params"] == [n for n, p in names.items() if p.ndim == 1]
 
     other = torch.optim.AdamW([{"params": mats[::-1]}, {"params": vecs[::-1], "weight_decay": 0.0}], lr=1e-3)
-    other.load_state_dict(fsdp._keyed_by_index(saved, fsdp._param_names(model, other)))
+    other.load_state_dict(sharded._keyed_by_index(saved, sharded._param_names(model, other)))
     for p in model.parameters():
         assert torch.equal(other.state[p]["exp_avg"], opt.state[p]["exp_avg"])
     assert other.param_groups[1]["weight_decay"] == 0.0
@@ -107,4 +107,4 @@ def test_sharded_optimizer_state_is_keyed_by_parameter_name():
     first = next(n for n, p in names.items() if p is mats[0])
     with pytest.raises(ValueError, match=rf"param group 0 holds {len(mats)} parameters in the checkpoint, "
                        rf"{len(mats) - 1} here \({first} is in only one\)"):  # fmt: skip
-        fsdp._keyed_by_index(saved, fsdp._param_names(model, fewer))
+        sharded._keyed_by_index(saved, sharded._param_names(model, fewer))

@@ -13,7 +13,7 @@ import pytest
 import torch
 from _common import ROOT
 
-from effpretrain import fsdp, trainer
+from effpretrain import grad_norm
 from effpretrain.config import load_config
 from effpretrain.errors import ConfigError
 from effpretrain.in_backward import InBackward, clip_coefficient, step_units
@@ -115,7 +115,7 @@ class PreviousNormClip:
 
     def __init__(self) -> None:
         self.prev: float | None = None
-        self.norm = fsdp.clip_grad_norm_  # the unpatched norm (max_norm 0: no clipping)
+        self.norm = grad_norm.clip_grad_norm_  # the unpatched norm (max_norm 0: no clipping)
 
     def __call__(self, params, max_norm: float) -> float:
         params = [p for p in params if p.grad is not None]
@@ -143,7 +143,7 @@ def test_clipping_equals_reference_rule(method, accum, tmp_path, monkeypatch):
     over = ("train.grad_clip=0.05", f"train.grad_accum={accum}", f"train.batch_size={2 * K // accum}")
     _, out = run(tmp_path, method, "inb", *over, "train.update_in_backward=true")
     with monkeypatch.context() as m:
-        m.setattr(trainer.fsdp, "clip_grad_norm_", PreviousNormClip())
+        m.setattr(grad_norm, "clip_grad_norm_", PreviousNormClip())
         _, ref_out = run(tmp_path, method, "ref", *over)
     _, plain = run(tmp_path, method, "plain", *over)  # today's exact clipping: a different run
     a, b = weights(ref_out), weights(out)

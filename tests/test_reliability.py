@@ -424,7 +424,7 @@ KILL_SCRIPT = textwrap.dedent(
     """
     import os, signal, sys
     import torch
-    import effpretrain.checkpoint as ck
+    import effpretrain.checkpoint.commit as ck
     from effpretrain.config import load_config
     from effpretrain.trainer import train
 
@@ -564,28 +564,23 @@ def good_ckpt(tmp_path_factory):
 
 @pytest.mark.run
 def test_sharded_resume_passes_the_weight_check_error_through_unchanged(good_ckpt, tmp_path, monkeypatch):
-    """The FSDP2 resume path's weight check already names the checkpoint in one line: `_load`
-    does not wrap it in a second ConfigError (the path would appear twice)."""
-    from effpretrain import checkpoint, fsdp
+    """The FSDP2 resume path's weight check already names the checkpoint in one line: the sharded
+    format's read does not wrap it in a second ConfigError (the path would appear twice)."""
+    from effpretrain.checkpoint import load_checkpoint, sharded
+    from effpretrain.checkpoint.states import ShardedFormat
     from effpretrain.errors import ConfigError
 
     trainer = Trainer(load_config(RECIPE, SMALL + ["train.max_steps=2", "train.eval_every=0"]), tmp_path)
     message = f"checkpoint {good_ckpt}: model weights do not match"
-    real_load = checkpoint.load_checkpoint
-
-    def as_if_sharded(path):
-        state = real_load(path)
-        state["trainer"]["optimizer_skeleton"] = {}  # what an FSDP2 checkpoint's trainer.pt holds
-        return state
+    state = load_checkpoint(good_ckpt)
+    state["trainer"]["optimizer_skeleton"] = {}  # what an FSDP2 checkpoint's trainer.pt holds
 
     def mismatch(*args, **kwargs):
         raise ConfigError(message)
 
-    monkeypatch.setattr(checkpoint, "load_checkpoint", as_if_sharded)
-    monkeypatch.setattr(fsdp, "load_sharded", mismatch)
-    trainer.fsdp = True  # the sharded branch of `_load`, as under dist.sharding=fsdp2
-    with pytest.raises(ConfigError) as caught:
-        trainer._load(good_ckpt, allow_config_change=False)
+    monkeypatch.setattr(sharded, "load_sharded", mismatch)
+    with pytest.raises(ConfigError) as caught:  # the sharded branch of a resume, as under FSDP2
+        ShardedFormat(trainer.launch).read(good_ckpt, state, trainer.model, trainer.inner_opt)
     assert str(caught.value) == message
 
 

@@ -124,7 +124,7 @@ WORKER = textwrap.dedent(
     import optimizers
     from optimizers._owners import COMM
     from optimizers._sharded import local
-    from effpretrain import fsdp
+    from effpretrain.checkpoint import sharded
 
     out, methods = Path(sys.argv[1]), sys.argv[2].split(",")
     dist.init_process_group("gloo")
@@ -195,10 +195,10 @@ WORKER = textwrap.dedent(
         # Resume: save after step SAVE with DCP, load into a fresh model and optimizer, finish.
         ck = out / f"{name}-ck"
         ck_mod, ck_opt = run(name, True, range(1, SAVE + 1))
-        skeleton = fsdp.save_sharded(ck, ck_mod, ck_opt)
+        skeleton = sharded.save_sharded(ck, ck_mod, ck_opt)
         new_mod = build(True)
         new_opt = optimizers.build_optimizer(name, groups(name, new_mod), lr=1e-2)
-        fsdp.load_sharded(ck, new_mod, new_opt, skeleton)
+        sharded.load_sharded(ck, new_mod, new_opt, skeleton)
         run(name, True, range(SAVE + 1, STEPS + 1), mod=new_mod, opt=new_opt)
         resumed = whole_weights(new_mod)
         state = optimizers.measured_state_bytes(opt)

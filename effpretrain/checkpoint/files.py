@@ -1,196 +1,25 @@
-"""Complete, atomic, weights_only-safe checkpoints.
+"""Reading checkpoints: complete, and safe to load.
 
-A checkpoint is a folder ``checkpoints/step-N/`` holding:
-
-- ``model.safetensors``: the model's state_dict (parameters and persistent buffers);
-- ``optimizer.pt``: the optimizer's state_dict (tensors and plain numbers only);
-- or, for FSDP2 runs, instead of those two: ``dcp/``, the model's and optimizer's tensors written
-  shard by shard by every rank with torch.distributed.checkpoint (effpretrain/fsdp.py), the
-  optimizer's non-tensor part being kept in ``trainer.pt``;
-- ``trainer.pt``: step, tokens, data-stream position (for a streamed source every rank's, gathered
-  as ``data.ranks``), scheduler state, RNG states, event counters;
-- ``config.yaml``: the resolved config;
-- ``COMPLETE``: written last; a folder without it does not count.
-
-Everything is written into ``step-N.tmp-<pid>/`` and renamed into place only when complete, so a
-crash mid-save leaves the previous checkpoints untouched. Loading uses safetensors for the model
-and ``torch.load(weights_only=True)`` for the rest: a file holding an arbitrary pickled object is
-refused. In a sharded ``dcp/`` folder, DCP reads tensors with ``weights_only=True`` but its
-``.metadata`` with plain pickle, so that file is first checked against an allow-list of DCP's
-metadata classes, and entries that are not tensors (which DCP would unpickle freely) are refused.
+Loading uses safetensors for the model and ``torch.load(weights_only=True)`` for the rest: a file
+holding an arbitrary pickled object is refused. In a sharded ``dcp/`` folder, DCP reads tensors with
+``weights_only=True`` but its ``.metadata`` with plain pickle, so that file is first checked against
+an allow-list of DCP's metadata classes, and entries that are not tensors (which DCP would unpickle
+freely) are refused. Every problem is a one-line `ConfigError` naming the checkpoint.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import pickle
-import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from effpretrain.checkpoint.commit import MARKER, STEP_DIR, complete_checkpoints
 from effpretrain.errors import ConfigError
 
 log = logging.getLogger("effpretrain")
-MARKER = "COMPLETE"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-class CheckpointWriteError(Exception):
-    """A checkpoint could not be written (no space left on the device, an I/O error). The run
-    stops: `effpretrain train` reports it in one line and exits with `EXIT_CODE`; the partial
-    folder is removed and the earlier checkpoints stay complete, so ``--resume auto`` continues
-    from the newest of them once the cause is fixed."""
-
-    #: `effpretrain train`'s exit code for a checkpoint that could not be written.
-    EXIT_CODE = 4
-
-    def __init__(self, target: Path, cause: str, newest: Path | None):
-        self.target, self.cause, self.newest = target, cause, newest
-        newest_text = (
-            f"the newest complete checkpoint is {newest}" if newest else "no complete checkpoint exists"
-        )
-        super().__init__(
-            f"could not write checkpoint {target} ({cause}); {newest_text}; "
-            "fix the cause and continue with --resume auto"
-        )
-
-
-def unwrap_dcp(err: BaseException) -> BaseException:
-    """The first failing rank's own exception inside torch.distributed.checkpoint's wrapper (a
-    ``CheckpointException`` with ``failures``), else `err` itself."""
-    failures = getattr(err, "failures", None)
-    if failures:
-        wrapped = next(iter(failures.values()))
-        return wrapped[0] if isinstance(wrapped, tuple) else wrapped
-    return err
-
-
-def write_error_cause(err: BaseException) -> str:
-    """One line naming why a write failed: the OS's words for an errno (``No space left on
-    device``), else the error's first line; through DCP's wrapper to the failing rank's error."""
-    err = unwrap_dcp(err)
-    errno = getattr(err, "errno", None)
-    if errno:
-        return os.strerror(errno)
-    text = str(err).strip()
-    return text.splitlines()[0][:200] if text else type(err).__name__
-
-
-def discard_temp(ckpt_root: Path, step: int, pid: int | None = None) -> None:
-    """Removes a checkpoint's temporary folder (this process's, or `pid`'s) after a failed write."""
-    shutil.rmtree(ckpt_root / f"step-{step}.tmp-{pid or os.getpid()}", ignore_errors=True)
-
-
-def temp_folder(ckpt_root: Path, step: int) -> Path:
-    """A fresh, empty temporary folder for checkpoint `step` (named after this process)."""
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    tmp = ckpt_root / f"step-{step}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    return tmp
-
-
-def save_checkpoint(
-    ckpt_root: Path,
-    step: int,
-    *,
-    trainer_state: dict[str, Any],
-    config_yaml: str,
-    model_state: dict[str, torch.Tensor] | None = None,
-    optimizer_state: dict[str, Any] | None = None,
-    keep: int = 2,
-    tmp: Path | None = None,
-) -> Path:
-    """Writes checkpoint `step` atomically and prunes old ones, keeping the newest `keep` complete.
-
-    With `tmp` (a `temp_folder` that other ranks already wrote a ``dcp/`` sharded state into),
-    `model_state` and `optimizer_state` are left out and only the remaining files are added before
-    the folder is committed. A failed write removes the temporary folder and re-raises.
-    """
-    final = ckpt_root / f"step-{step}"
-    if tmp is None:
-        tmp = temp_folder(ckpt_root, step)
-    try:
-        _write_files(tmp, step, trainer_state, config_yaml, model_state, optimizer_state)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # no partial folder is left behind
-        raise
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(ckpt_root)
-    prune(ckpt_root, keep)
-    return final
-
-
-def _write_files(
-    tmp: Path,
-    step: int,
-    trainer_state: dict[str, Any],
-    config_yaml: str,
-    model_state: dict[str, torch.Tensor] | None,
-    optimizer_state: dict[str, Any] | None,
-) -> None:
-    """A checkpoint's files into `tmp`, synced, the completion marker last."""
-    from safetensors.torch import save_file
-
-    if model_state is not None:
-        # safetensors refuses shared or non-contiguous storage; clone what needs it.
-        tensors = {k: v.detach().contiguous().cpu() for k, v in model_state.items()}
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"step": str(step)})
-    if optimizer_state is not None:
-        torch.save(optimizer_state, tmp / "optimizer.pt")
-    torch.save(trainer_state, tmp / "trainer.pt")
-    (tmp / "config.yaml").write_text(config_yaml)
-    for f in tmp.iterdir():
-        if f.is_file():  # dcp/ was synced by its writer (FileSystemWriter(sync_files=True))
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-    (tmp / MARKER).write_text(json.dumps({"step": step, "files": sorted(p.name for p in tmp.iterdir())}))
-    _fsync_dir(tmp)
-
-
-def complete_checkpoints(ckpt_root: Path) -> list[Path]:
-    """Checkpoint folders that carry the completion marker, oldest first."""
-    if not ckpt_root.is_dir():
-        return []
-    found = []
-    for p in ckpt_root.iterdir():
-        m = _STEP_DIR.match(p.name)
-        if m and p.is_dir() and (p / MARKER).is_file():
-            found.append((int(m.group(1)), p))
-    return [p for _, p in sorted(found)]
-
-
-def prune(ckpt_root: Path, keep: int) -> None:
-    """Deletes all but the newest `keep` complete checkpoints and stale temporary folders."""
-    done = complete_checkpoints(ckpt_root)
-    for p in done[: max(0, len(done) - max(keep, 1))]:
-        shutil.rmtree(p, ignore_errors=True)
-    for p in ckpt_root.iterdir():
-        if ".tmp-" in p.name and p.is_dir():
-            pid = p.name.rsplit("-", 1)[-1]
-            if pid != str(os.getpid()):
-                shutil.rmtree(p, ignore_errors=True)
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
@@ -285,12 +114,12 @@ def read_model_state(path: Path, state: dict[str, Any] | None = None) -> dict[st
         return state["model"]
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from effpretrain import fsdp
+    from effpretrain.checkpoint import sharded
 
     try:
-        return fsdp.read_model_state(path / "dcp")
+        return sharded.read_model_state(path / "dcp")
     except (Exception, CheckpointException) as e:  # DCP's wrapper is a BaseException
-        raise ConfigError(f"checkpoint {path}: dcp/ unreadable ({fsdp.dcp_error(e)})") from None
+        raise ConfigError(f"checkpoint {path}: dcp/ unreadable ({sharded.dcp_error(e)})") from None
 
 
 def load_model_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: str | Path) -> None:
@@ -348,7 +177,7 @@ def find_resume(run_dir: Path, resume: str) -> Path | None:
             return p
         except ConfigError as e:
             log.warning("skipping checkpoint %s: %s", p.name, e)
-    if root.is_dir() and any(_STEP_DIR.match(p.name) for p in root.iterdir()):
+    if root.is_dir() and any(STEP_DIR.match(p.name) for p in root.iterdir()):
         # Starting over would silently discard a run: refuse instead.
         raise ConfigError(f"{root}: checkpoints exist but none is complete and loadable")
     return None
