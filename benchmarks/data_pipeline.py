@@ -196,7 +196,7 @@ def model_rate(tokens_dir: str, tokenizer: str, preset: str, batch: int, seq_len
 
 
 def run_pipeline(args) -> dict:
-    from effpretrain.token_shards import prepare
+    from effpretrain.data.prepare_tokens import prepare
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="data_pipeline-"))
     tokenizer = args.tokenizer or hf_tokenizer(work / "tokenizer", args.vocab_size)

@@ -1896,7 +1896,7 @@ def paper_report(recipes_root: Path | None = None) -> str:
     `effpretrain.paper` computed from the paper recipes under `recipes_root` (default `RECIPES`)."""
     import torch
 
-    from effpretrain import paper
+    from effpretrain.memory import published as paper
     from effpretrain.reporting import git_commit
 
     rows = paper.paper_memory_table(recipes_root=recipes_root or RECIPES)

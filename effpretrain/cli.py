@@ -13,8 +13,17 @@ import sys
 import time
 from pathlib import Path
 
-from effpretrain.config import PRECISIONS
+import optimizers
+from effpretrain.checkpoint import CheckpointWriteError
+from effpretrain.config import PRECISIONS, OptimConfig, TrainConfig, load_config
+from effpretrain.data.prepare_tokens import prepare
+from effpretrain.data.tokens import DEFAULT_SHARD_TOKENS
 from effpretrain.errors import ConfigError
+from effpretrain.loss import LossKind
+from effpretrain.memory import estimate, format_table
+from effpretrain.memory.published import RECIPES
+from effpretrain.models import FACTOR_KINDS, PRESETS
+from effpretrain.signals import RunInterrupted
 
 DEFAULT_RECIPE = "recipes/tiny/adamw.yaml"
 
@@ -59,9 +68,6 @@ def _add_train(sub) -> None:
 def _add_estimate(sub) -> None:
     from typing import get_args
 
-    from effpretrain.config import TrainConfig
-    from effpretrain.loss import LossKind
-
     e = sub.add_parser("estimate", help="analytic memory breakdown (no model is built)")
     e.add_argument("--model", required=True, help="preset, e.g. llama_1b")
     e.add_argument(
@@ -101,7 +107,6 @@ def _add_estimate(sub) -> None:
 
 
 def _add_prepare(sub) -> None:
-    from effpretrain.token_shards import DEFAULT_SHARD_TOKENS
 
     p = sub.add_parser(
         "prepare", help="tokenise a corpus once into memory-mapped shards (train with data.source=tokens)"
@@ -148,9 +153,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args) -> int:
-    from effpretrain.checkpoint import CheckpointWriteError
-    from effpretrain.config import load_config
-    from effpretrain.signals import RunInterrupted
     from effpretrain.trainer import NonFiniteError, train
 
     recipe = args.recipe
@@ -197,9 +199,6 @@ def _default_out(cfg, resume: str | None) -> Path:
 
 
 def cmd_estimate(args) -> int:
-    from effpretrain.config import OptimConfig
-    from effpretrain.memory import estimate, format_table
-    from effpretrain.models import PRESETS
 
     if args.model not in PRESETS:
         raise ConfigError(f"--model {args.model!r} is not one of {', '.join(PRESETS)}")
@@ -250,10 +249,6 @@ def _method_structure(name: str) -> tuple[str, str, bool]:
     `optim.name`, `factor.kind`, `restarts.every > 0` (ReLoRA merges and LORO steps exactly on
     restarts, so both have them). Without the recipes folder (an installed wheel), a registered
     optimizer or factor kind is taken from the registries alone."""
-    import optimizers
-    from effpretrain.config import load_config
-    from effpretrain.models import FACTOR_KINDS
-    from effpretrain.paper import RECIPES
 
     recipes = RECIPES / "tiny"
     names = sorted({p.stem for p in recipes.glob("*.yaml")} | set(optimizers.METHODS) | set(FACTOR_KINDS))
@@ -268,9 +263,6 @@ def _method_structure(name: str) -> tuple[str, str, bool]:
 def _registry_structure(name: str) -> tuple[str, str, bool]:
     """`_method_structure` of a registered optimizer or factor kind from the registries alone (a
     test holds it equal to the tiny recipe's)."""
-    import optimizers
-    from effpretrain.config import OptimConfig
-    from effpretrain.models import FACTOR_KINDS
 
     if name in FACTOR_KINDS:  # factors train with the default optimizer; ReLoRA merges on restarts
         return OptimConfig().name, name, FACTOR_KINDS[name].merges_at_restart
@@ -296,7 +288,6 @@ def cmd_export(args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    from effpretrain.token_shards import prepare
 
     m = prepare(
         args.source,

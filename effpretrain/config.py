@@ -30,7 +30,10 @@ from typing import Annotated, Any, Literal, Union
 
 import yaml
 
+import optimizers
 from effpretrain.errors import ConfigError
+from effpretrain.models import FACTOR_KINDS, PRESETS, factor_spec
+from optimizers import projection
 
 __all__ = [
     "ATTN_MLP_TARGETS",
@@ -110,33 +113,25 @@ PRECISIONS: tuple[str, ...] = typing.get_args(Precision)
 
 
 def _method_names() -> list[str]:
-    from optimizers import METHODS
-
-    return sorted(METHODS)
+    return sorted(optimizers.METHODS)
 
 
 def _factor_kinds() -> list[str]:
-    from effpretrain.models import FACTOR_KINDS
 
     return ["none", *FACTOR_KINDS]
 
 
 def _presets() -> list[str]:
-    from effpretrain.models import PRESETS
 
     return list(PRESETS)
 
 
 def _proj_types() -> list[str]:
-    from optimizers.projection import PROJ_TYPES
-
-    return list(PROJ_TYPES)
+    return list(projection.PROJ_TYPES)
 
 
 def _bases() -> list[str]:
-    from optimizers.projection import METHODS
-
-    return ["default", *METHODS]
+    return ["default", *projection.METHODS]
 
 
 ProjType = Annotated[str, OneOf(_proj_types, "a side of `optimizers.projection.PROJ_TYPES`", listed=True)]
@@ -513,8 +508,6 @@ def validate(cfg: RunConfig, source: str = "config") -> RunConfig:
         raise ConfigError(f"{source}: train.activation_checkpointing=auto needs train.memory_budget_gb")
     _check_method_needs(cfg, source)
     if cfg.restarts.every and cfg.restarts.refactorize and cfg.factor.kind != "none":
-        from effpretrain.models import factor_spec
-
         spec = factor_spec(cfg.factor.kind)
         if not (spec.refactorizable or spec.merges_at_restart):
             raise ConfigError(
@@ -527,8 +520,6 @@ def validate(cfg: RunConfig, source: str = "config") -> RunConfig:
 def _check_method_needs(cfg: RunConfig, source: str) -> None:
     """What a method's registry row asks of the rest of the config: (B, A) pairs of a factorized
     model (`MethodSpec.steps_factor_pairs`), a restart period (`MethodSpec.restart_period_arg`)."""
-    import optimizers
-    from effpretrain.models import FACTOR_KINDS
 
     spec, kind = optimizers.method_spec(cfg.optim.name), cfg.factor.kind
     if spec.steps_factor_pairs and (kind == "none" or not FACTOR_KINDS[kind].refactorizable):

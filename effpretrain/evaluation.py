@@ -31,8 +31,13 @@ from typing import Any
 
 import torch
 
+from effpretrain import checkpoint as ckpt
+from effpretrain import data as data_mod
+from effpretrain.config import apply_overrides, from_dict, validate
 from effpretrain.data import ValidationSet
+from effpretrain.launch import check_launch, make_accelerator
 from effpretrain.loss import DEFAULT_CHUNK_TOKENS, token_loss_sum
+from effpretrain.run_model import build_run_model, place_model
 
 __all__ = ["EvalResult", "evaluate", "evaluate_checkpoint", "from_totals"]
 
@@ -156,8 +161,6 @@ def evaluate_checkpoint(checkpoint: str | Path, overrides: list[str] | None = No
     """
     import tempfile
 
-    from effpretrain import checkpoint as ckpt
-
     path = ckpt.resolve_checkpoint(checkpoint, "eval")
     state = ckpt.load_checkpoint(path)
     cfg = _saved_config(state["trainer"]["config"], overrides or [], path)
@@ -192,7 +195,6 @@ def _saved_config(saved: dict[str, Any], overrides: list[str], path: Path) -> An
     """The checkpoint's resolved config with this command's overrides. The evaluation's size is
     this command's setting, not part of the trained model: a checkpoint written before
     train.eval_tokens existed still records train.eval_batches, which is dropped."""
-    from effpretrain.config import apply_overrides, from_dict, validate
 
     saved = dict(saved)
     if isinstance(saved.get("train"), dict):
@@ -203,10 +205,6 @@ def _saved_config(saved: dict[str, Any], overrides: list[str], path: Path) -> An
 def _evaluation_set_up(cfg: Any, scratch: Path) -> tuple[Any, ValidationSet, torch.nn.Module]:
     """The processes (checked as a training launch is), the validation set and the placed model."""
     from accelerate.utils import set_seed
-
-    from effpretrain import data as data_mod
-    from effpretrain.launch import check_launch, make_accelerator
-    from effpretrain.run_model import build_run_model, place_model
 
     acc = make_accelerator(cfg, scratch)
     check_launch(acc.num_processes, cfg)

@@ -15,17 +15,18 @@ from pathlib import Path
 
 import torch
 
+from effpretrain import data
 from effpretrain.checkpoint import load_checkpoint, load_model_weights, read_model_state, resolve_checkpoint
 from effpretrain.config import from_dict, validate
 from effpretrain.errors import ConfigError
+from effpretrain.models import factor_spec, merge_factorized_
+from effpretrain.run_model import build_run_model
 
 log = logging.getLogger("effpretrain")
 
 
 def export(run_or_ckpt: str | Path, out: str | Path) -> Path:
     """Writes the merged model of the newest complete checkpoint of a run (or of one checkpoint)."""
-    from effpretrain.models import factor_spec, merge_factorized_
-    from effpretrain.run_model import build_run_model
 
     path = resolve_checkpoint(run_or_ckpt, "export")
     state = load_checkpoint(path)
@@ -83,8 +84,6 @@ def _save_tokenizer(cfg, out: Path) -> None:
         (out / "TOKENIZER.txt").write_text(f"trained with the tokenizer {cfg.data.tokenizer}\n")
         return
     from transformers import PreTrainedTokenizerFast
-
-    from effpretrain import data
 
     corpus = data.load_corpus(cfg.data)
     path = data.cache_dir() / "tokenizers" / f"bpe-{corpus.fingerprint()}-{cfg.data.vocab_size}.json"

@@ -13,8 +13,11 @@ from typing import Any
 import torch
 
 from effpretrain import grad_norm
+from effpretrain.checkpoint.states import ShardedFormat, WholeFormat
 from effpretrain.config import RunConfig
 from effpretrain.errors import ConfigError
+from effpretrain.fsdp import apply_fsdp2
+from effpretrain.in_backward import AllReduceMean, broadcast_module_, check_same_order
 
 
 def make_accelerator(cfg: RunConfig, out_dir: Path) -> Any:
@@ -162,7 +165,6 @@ class Launch:
     # -- checkpoints ----------------------------------------------------------------------------
     @property
     def checkpoint_format(self) -> Any:
-        from effpretrain.checkpoint.states import WholeFormat
 
         return WholeFormat(self)
 
@@ -215,13 +217,11 @@ class DDPInBackwardLaunch(DDPLaunch):
         return contextlib.nullcontext()  # the hooks all-reduce (last micro-step)
 
     def in_backward_reduce(self, model: torch.nn.Module) -> Any:
-        from effpretrain.in_backward import AllReduceMean, broadcast_module_
 
         broadcast_module_(model)  # also the factors a warm start's switch creates
         return AllReduceMean(self.world)
 
     def _after_in_backward(self, in_backward: Any) -> None:
-        from effpretrain.in_backward import check_same_order
 
         check_same_order(in_backward.order, self.device)
 
@@ -235,7 +235,6 @@ class FSDP2Launch(Launch):
     sharding = "fsdp2"
 
     def shard(self, model: torch.nn.Module) -> torch.nn.Module:
-        from effpretrain.fsdp import apply_fsdp2
 
         return apply_fsdp2(model)
 
@@ -265,7 +264,6 @@ class FSDP2Launch(Launch):
 
     @property
     def checkpoint_format(self) -> Any:
-        from effpretrain.checkpoint.states import ShardedFormat
 
         return ShardedFormat(self)
 

@@ -75,6 +75,11 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
+from effpretrain.errors import ConfigError
+from effpretrain.in_backward import InBackward
+from effpretrain.memory import estimate_from_config, peak_memory_bytes
+from effpretrain.optim_setup import build_optimizer_and_schedule
+from effpretrain.run_model import build_run_model, make_train_step, place_model, synthetic_batch
 from optimizers._sharded import local as _local
 
 __all__ = [
@@ -289,7 +294,6 @@ def _raise_floor(device: torch.device) -> None:
 def process_peak_bytes(device: torch.device) -> int:
     """`effpretrain.memory.peak_memory_bytes` (CUDA max allocated, or the process's peak RSS),
     including the CUDA peaks from before a measured step's per-phase resets."""
-    from effpretrain.memory import peak_memory_bytes
 
     return max(peak_memory_bytes(device), _CUDA_PEAK_FLOOR.get(str(device), 0))
 
@@ -511,10 +515,6 @@ def measure_run(
         seed: seeds the batch's token ids (the bytes do not depend on them).
         device: where the model trains (CUDA: the allocator's measurement).
     """
-    from effpretrain.in_backward import InBackward
-    from effpretrain.memory import estimate_from_config
-    from effpretrain.optim_setup import build_optimizer_and_schedule
-    from effpretrain.run_model import build_run_model, make_train_step, place_model, synthetic_batch
 
     model, _ = build_run_model(cfg, vocab_size)
     planned = estimate_from_config(cfg, vocab_size).detail["checkpointed_layers"]
@@ -604,7 +604,6 @@ def check_fits(est: Any, device: torch.device) -> None:
     """ConfigError (one line: the estimate, the limit, the biggest term) when the estimate's
     per-rank peak (``peak``; ``total`` for an estimator without one) exceeds
     `device_memory_limit`."""
-    from effpretrain.errors import ConfigError
 
     peak = int(getattr(est, "peak", est.total))
     limit, what = device_memory_limit(device)

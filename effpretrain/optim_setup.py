@@ -14,14 +14,42 @@ from typing import Any
 import torch
 
 import optimizers
-from effpretrain import memory
 from effpretrain.config import RunConfig
 from effpretrain.errors import ConfigError
+from effpretrain.models import FACTOR_KINDS, factor_pairs, factor_spec, relora_merge_
+from effpretrain.models.factorized import warm_start_layers
+from optimizers import Restarts
+from optimizers.restarts import recovery_factor
 
 log = logging.getLogger("effpretrain")
 
 # ----------------------------------------------------------------------------------------------
 # Full-rank warm start (ReLoRA)
+
+
+#: The attention weights whose rows split into heads: Adam-mini (`MethodSpec.head_blocks`) gives them
+#: one block per head (`MethodSpec.head_block_group`).
+HEAD_TARGETS: tuple[str, ...] = ("q_proj", "k_proj")
+
+
+def head_group(method: str, head_dim: int) -> dict[str, Any]:
+    """The group options the query and key weights get under `method` (also used by the trainer):
+    the registry row's `head_block_group`, empty for a method without head blocks."""
+    return optimizers.method_spec(method).head_block_group(head_dim)
+
+
+def projection_group(optim_cfg: Any) -> dict[str, Any]:
+    """The group options a projected param gets from an OptimConfig (also used by the trainer):
+    the registry row's `projection_group`."""
+    o = optim_cfg
+    return optimizers.method_spec(o.name).projection_group(
+        rank=o.rank,
+        update_proj_gap=o.update_proj_gap,
+        scale=o.scale,
+        proj_type=o.proj_type,
+        basis=o.basis,
+        extra=o.extra,
+    )
 
 
 def warm_start_steps(cfg: RunConfig, world_size: int = 1) -> int:
@@ -35,7 +63,6 @@ def warm_start_steps(cfg: RunConfig, world_size: int = 1) -> int:
     Raises:
         ConfigError: N > 0 with a kind that does not warm-start, or with FSDP2 on several processes.
     """
-    from effpretrain.models import FACTOR_KINDS, factor_spec
 
     n, kind = cfg.factor.warm_start_steps, cfg.factor.kind
     if not n:
@@ -66,7 +93,6 @@ def warm_start_steps(cfg: RunConfig, world_size: int = 1) -> int:
 def restart_ramps(cfg: RunConfig) -> bool:
     """Whether restarts re-warm the LR: after a momentum reset, or after ReLoRA's merge (whose
     factors' state is reset) - the jagged schedule."""
-    from effpretrain.models import factor_spec
 
     r = cfg.restarts
     merges = cfg.factor.kind != "none" and factor_spec(cfg.factor.kind).merges_at_restart
@@ -81,7 +107,6 @@ def _restart_ramp(step: int, cfg: RunConfig) -> float:
     from fresh state), so with s = step - N the ramp is that of a restart at s = 0 (floor at s = 0,
     back on the schedule at s = R) and the restarts' own ramps follow at s = k T.
     """
-    from optimizers.restarts import recovery_factor
 
     r, n = cfg.restarts, cfg.factor.warm_start_steps
     if not n:
@@ -138,7 +163,7 @@ def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str,
     other matrix gets AdamW with weight decay; vectors (norms, biases) get no weight decay.
     Frozen parameters are left out. For a method with head blocks (`MethodSpec.head_blocks`:
     Adam-mini) the query and key linear weights get a group of their own carrying the head size
-    (`memory.head_group`). A method that steps factor pairs (`MethodSpec.steps_factor_pairs`:
+    (`head_group`). A method that steps factor pairs (`MethodSpec.steps_factor_pairs`:
     LORO) gets every (B, A) pair in one marked group first.
 
     With a warm start (`factor.warm_start_steps`) the groups are the same in both phases, so a
@@ -147,7 +172,6 @@ def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str,
     decay, never projected). A parameter trains only while it requires grad; the optimizer skips
     the others (no gradient) and makes no state for them.
     """
-    from effpretrain.models.factorized import warm_start_layers
 
     o = cfg.optim
     spec = optimizers.method_spec(o.name)
@@ -156,7 +180,7 @@ def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str,
     warm = warm_start_layers(model) if cfg.factor.warm_start_steps else []
     w0s = {id(layer.weight) for layer in warm}
     phased = w0s | {id(p) for layer in warm for p in layer.factor_pair()}
-    heads = memory.head_group(o.name, _head_dim(model))
+    heads = head_group(o.name, _head_dim(model))
     proj, head, decay, no_decay = [], [], [], []
     matrix: dict[str, list[torch.nn.Parameter]] = {}  # whole-matrix groups by role (registry)
     for mod_name, module in model.named_modules():
@@ -170,7 +194,7 @@ def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str,
             )
             if projected_method and target:
                 proj.append(p)
-            elif heads and isinstance(module, torch.nn.Linear) and attr in memory.HEAD_TARGETS:
+            elif heads and isinstance(module, torch.nn.Linear) and attr in HEAD_TARGETS:
                 head.append(p)
             elif role is not None:
                 matrix.setdefault(role, []).append(p)
@@ -192,7 +216,7 @@ def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str,
     if spec.steps_factor_pairs:
         groups.append(_factor_pair_group(model, cfg, decay))
     if proj:
-        groups.append({"params": proj, "weight_decay": o.weight_decay, **memory.projection_group(o)})
+        groups.append({"params": proj, "weight_decay": o.weight_decay, **projection_group(o)})
     if head:
         groups.append({"params": head, "weight_decay": o.weight_decay, **heads})
     for role, params in matrix.items():
@@ -213,7 +237,6 @@ def _factor_pair_group(model: torch.nn.Module, cfg: RunConfig, decay: list[torch
     Raises:
         ConfigError: the model has no (B, A) pair (a factor kind without refactorizable pairs).
     """
-    from effpretrain.models import factor_pairs, factor_spec
 
     kind = cfg.factor.kind
     if kind == "none" or not factor_spec(kind).refactorizable:
@@ -248,8 +271,6 @@ def wrap_restarts(
     opt: torch.optim.Optimizer, model: torch.nn.Module, cfg: RunConfig
 ) -> torch.optim.Optimizer:
     """The `restarts` section as an optimizer wrapper (shared by the trainer and the HF callback)."""
-    from effpretrain.models import factor_pairs, factor_spec, relora_merge_
-    from optimizers import Restarts
 
     r, kind = cfg.restarts, cfg.factor.kind
     spec = factor_spec(kind) if kind != "none" else None

@@ -24,9 +24,11 @@ import torch
 import yaml
 
 import optimizers
-from effpretrain.config import RunConfig
+from effpretrain.config import RunConfig, validate
 from effpretrain.errors import ConfigError
+from effpretrain.memory import projection_group
 from effpretrain.models import FACTOR_KINDS
+from effpretrain.optim_setup import optimizer_kwargs
 
 #: The table, beside the recipes it describes.
 SOURCES_FILE = Path(__file__).resolve().parent.parent / "recipes" / "sources.yaml"
@@ -67,8 +69,6 @@ def optimizer_settings(cfg: RunConfig) -> dict[str, Any]:
     """What the run's optimizer is constructed with: its defaults (class signature, registry
     defaults, the toolkit's keywords from the config) as the built optimizer reports them, with a
     projected group's options (e.g. APOLLO's `scale_front`) for a projecting method."""
-    from effpretrain.memory import projection_group
-    from effpretrain.optim_setup import optimizer_kwargs
 
     groups: list[dict[str, Any]] = [{"params": [torch.nn.Parameter(torch.zeros(2, 2))]}]
     if optimizers.method_spec(cfg.optim.name).projects:  # as the trainer builds a projected group
@@ -123,7 +123,6 @@ def check_recipe(cfg: RunConfig, name: str, table: Mapping[str, Any]) -> list[st
     """Every disagreement between recipe `name` (loaded as `cfg`) and the table, one line each
     (empty: the recipe is what its sources say). A required key (`required_keys`) the table does
     not give is a disagreement too, so a new hyper-parameter cannot go unsourced."""
-    from effpretrain.config import validate
 
     preset = cfg.model.preset
     want = expected_values(table, name, preset)

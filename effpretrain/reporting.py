@@ -24,6 +24,7 @@ import optimizers
 from effpretrain import flops, memory, memory_measure
 from effpretrain.config import RunConfig, config_hash, dump_yaml, to_dict
 from effpretrain.evaluation import EvalResult
+from effpretrain.memory_measure import MEASURED_KEYS
 from effpretrain.models.factorized import warming_up
 from effpretrain.optim_setup import opt_telemetry
 from optimizers._sharded import local as _local
@@ -307,7 +308,6 @@ def measured_memory(records: list[list[dict[str, Any]]]) -> dict[str, Any] | Non
     when no step was measured (`train.memory_steps: []`)."""
     if not records:
         return None
-    from effpretrain.memory_measure import MEASURED_KEYS
 
     def one(steps: list[dict[str, Any]]) -> dict[str, Any]:
         top = max(steps, key=lambda m: m["peak"])

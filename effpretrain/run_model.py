@@ -10,9 +10,13 @@ from typing import Any
 
 import torch
 
+import optimizers
+from effpretrain.compile import compile_blocks
 from effpretrain.config import RunConfig
 from effpretrain.errors import ConfigError
-from effpretrain.models import build_model, set_activation_checkpointing
+from effpretrain.loss import token_loss_sum
+from effpretrain.models import FACTOR_KINDS, apply_factorization, build_model, set_activation_checkpointing
+from effpretrain.models.factorized import begin_warm_start_
 
 
 def build_run_model(cfg: RunConfig, vocab_size: int) -> tuple[torch.nn.Module, dict[str, Any] | None]:
@@ -30,8 +34,6 @@ def build_run_model(cfg: RunConfig, vocab_size: int) -> tuple[torch.nn.Module, d
     model = build_model(cfg.model.preset, vocab_size, max_pos, seed=cfg.train.seed)
     report = None
     if cfg.factor.kind != "none":
-        from effpretrain.models import apply_factorization
-
         try:
             report = apply_factorization(
                 model,
@@ -53,8 +55,6 @@ def place_model(
     """Places a built model as the trainer does, before any DDP or FSDP2 wrapping: a warm start's
     frozen start (`factor.warm_start_steps`), activation checkpointing of the `checkpointed`
     layers, bf16 weights for ``bf16-pure``, the device, and `train.compile`'s compiled blocks."""
-    from effpretrain.compile import compile_blocks
-    from effpretrain.models.factorized import begin_warm_start_
 
     if cfg.factor.warm_start_steps:
         begin_warm_start_(model)  # before DDP wraps it: DDP reduces what requires grad now
@@ -96,7 +96,6 @@ def make_train_step(
     `train.grad_clip`; 0 off), the optimizer and schedule steps, ``zero_grad``. With
     `in_backward` (an `effpretrain.in_backward.InBackward`) the parameters step inside backward
     and the step finishes the engine's update instead of clipping. Returns the step's loss."""
-    from effpretrain.loss import token_loss_sum
 
     K = cfg.train.grad_accum
     clip = cfg.train.grad_clip if clip is None else clip
@@ -129,8 +128,6 @@ def registry_recipes(tiny: Path) -> list[str]:
     """The tiny recipes (stems under `tiny`) that cover every registry row: one per registered
     optimizer (trained on the dense model) and one per factor kind (its restarts recipe where it
     has one), so checks that sweep the methods follow the registries instead of a hand-kept list."""
-    import optimizers
-    from effpretrain.models import FACTOR_KINDS
 
     kinds = [f"{k}_restarts" if (tiny / f"{k}_restarts.yaml").is_file() else k for k in FACTOR_KINDS]
     return [*optimizers.METHODS, *kinds]

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from optimizers._owners import assign_owners, shard_rows, whole_cost
+from optimizers._sharded import local
 from optimizers.momentum_reset import reset_
 from optimizers.refactorization import refactorize_
 from optimizers.restarts import Restarts, recovery_factor
@@ -454,7 +455,6 @@ def measured_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     and counted once (same start address, dtype and size). A sharded (FSDP2 DTensor) state tensor
     counts its local shard only: the bytes this rank holds.
     """
-    from optimizers._sharded import local
 
     inner = getattr(optimizer, "optimizer", optimizer)
     total, seen = 0, set()

@@ -43,6 +43,7 @@ import torch
 
 from optimizers._owners import DEFAULT_BUCKET_BYTES, OwnerPlaced
 from optimizers._sharded import is_dtensor, local, whole, write_whole_
+from optimizers.projected_adam import _nonzero_flags
 
 STEP = "step"
 EXP_AVG = "exp_avg"
@@ -68,7 +69,6 @@ def adamw_step_(p: torch.Tensor, g: torch.Tensor, state: dict[str, Any], group: 
 def nonzero_flags(grads: list[torch.Tensor]) -> list[bool]:
     """[G != 0 anywhere, for G in grads]; under FSDP2 decided on the whole gradient, identically
     on every rank (see `optimizers.projected_adam._nonzero_flags`)."""
-    from optimizers.projected_adam import _nonzero_flags
 
     return _nonzero_flags(grads)
 

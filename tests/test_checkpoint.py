@@ -8,13 +8,13 @@ import inspect
 import pytest
 import torch
 
-from effpretrain.checkpoint import sharded
 from effpretrain.checkpoint import (
     complete_checkpoints,
     load_checkpoint,
     load_model_weights,
     resolve_checkpoint,
     save_checkpoint,
+    sharded,
 )
 from effpretrain.config import ConfigError
 from effpretrain.models import build_model

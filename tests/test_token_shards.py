@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from effpretrain import data, token_shards
+from effpretrain import data
 from effpretrain.cli import main
 from effpretrain.config import ConfigError, DataConfig, load_config
-from effpretrain.token_shards import TokenCorpus, prepare
+from effpretrain.data import prepare_tokens as token_shards
+from effpretrain.data.prepare_tokens import TokenCorpus, prepare
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi pi rho sigma tau".split()
 VAL_EVERY = 5

@@ -29,14 +29,9 @@ from effpretrain.checkpoint.commit import (
     unwrap_dcp,
     write_error_cause,
 )
-from effpretrain.checkpoint.files import (
-    find_resume,
-    load_checkpoint,
-    load_model_weights,
-    read_model_state,
-    resolve_checkpoint,
-)
+from effpretrain.checkpoint.files import find_resume, load_checkpoint, read_model_state, resolve_checkpoint
 from effpretrain.checkpoint.states import Checkpointer
+from effpretrain.checkpoint.weights import load_model_weights
 
 __all__ = [
     "MARKER",

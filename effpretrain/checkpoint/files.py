@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from effpretrain.checkpoint.commit import MARKER, STEP_DIR, complete_checkpoints
+from effpretrain.checkpoint.sharded import dcp_error
+from effpretrain.checkpoint.sharded import read_model_state as read_sharded_model_state
 from effpretrain.errors import ConfigError
 
 log = logging.getLogger("effpretrain")
@@ -114,38 +116,10 @@ def read_model_state(path: Path, state: dict[str, Any] | None = None) -> dict[st
         return state["model"]
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from effpretrain.checkpoint import sharded
-
     try:
-        return sharded.read_model_state(path / "dcp")
+        return read_sharded_model_state(path / "dcp")
     except (Exception, CheckpointException) as e:  # DCP's wrapper is a BaseException
-        raise ConfigError(f"checkpoint {path}: dcp/ unreadable ({sharded.dcp_error(e)})") from None
-
-
-def load_model_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: str | Path) -> None:
-    """Loads a checkpoint's model state dict into `model`, requiring an exact match.
-
-    Every parameter and persistent buffer of `model` must be in `weights` with its shape, and
-    nothing else may be, except the model's non-persistent buffers (rotary ``inv_freq``), which
-    are rebuilt rather than loaded. Otherwise a one-line ConfigError naming `source` (the
-    checkpoint) and the first offending keys.
-    """
-    non_persistent = {
-        f"{name}.{b}" if name else b
-        for name, m in model.named_modules()
-        for b in m._non_persistent_buffers_set
-    }
-    try:
-        missing, unexpected = model.load_state_dict(
-            {k: v for k, v in weights.items() if k not in non_persistent}, strict=False
-        )
-    except RuntimeError as e:  # a shape mismatch: torch lists each one on its own line
-        detail = next((ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()), type(e).__name__)
-        raise ConfigError(f"checkpoint {source} does not match the model ({detail[:200]})") from None
-    if missing or unexpected:
-        raise ConfigError(
-            f"checkpoint {source} does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
-        )
+        raise ConfigError(f"checkpoint {path}: dcp/ unreadable ({dcp_error(e)})") from None
 
 
 def resolve_checkpoint(path: str | Path, what: str = "--resume") -> Path:

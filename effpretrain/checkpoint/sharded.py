@@ -26,7 +26,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from effpretrain.checkpoint.commit import unwrap_dcp
-from effpretrain.checkpoint.files import load_model_weights
+from effpretrain.checkpoint.weights import load_model_weights
 
 _PLACEHOLDER = "__dcp__"
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from effpretrain.checkpoint import commit, files
+from effpretrain.checkpoint.sharded import dcp_error, load_sharded, save_sharded
 from effpretrain.errors import ConfigError
 
 log = logging.getLogger("effpretrain")
@@ -80,8 +81,6 @@ class ShardedFormat:
     ):
         import torch.distributed as dist
 
-        from effpretrain.checkpoint.sharded import save_sharded
-
         box = [str(commit.temp_folder(root, step)) if self.launch.is_main else None]
         dist.broadcast_object_list(box, src=0)
         tmp = Path(box[0])
@@ -95,8 +94,6 @@ class ShardedFormat:
 
     def read(self, path: Path, state: dict[str, Any], model: Any, opt: Any) -> None:
         from torch.distributed.checkpoint.api import CheckpointException
-
-        from effpretrain.checkpoint.sharded import dcp_error, load_sharded
 
         # Each rank reads its own shards of the model and of the sharded optimizer state.
         try:

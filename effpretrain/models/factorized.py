@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from optimizers._sharded import whole, write_whole_
 from optimizers.momentum_reset import prune_, reset_, unwrap_optimizer
 
 __all__ = [
@@ -236,7 +237,6 @@ class ReLoRALinear(LoRALinear):
         rank) and the new A is drawn whole on every rank from the same RNG state (the trainer's
         ranks share it), each rank keeping its shard: the result is a single process's.
         """
-        from optimizers._sharded import whole, write_whole_
 
         w, b, a = whole(self.weight), whole(self.B), whole(self.A)
         write_whole_(self.weight, (w.float() + self.scale * (b.float() @ a.float())).to(w.dtype))

@@ -14,7 +14,7 @@ import pytest
 from _common import ROOT
 from bench_scripts import load
 
-from effpretrain import paper
+from effpretrain.memory import published as paper
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 

@@ -22,7 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import optimizers
+from effpretrain.config import load_config
+from effpretrain.errors import ConfigError
+from effpretrain.memory import estimate_from_config, model_param_shapes, precision, projection_group
 from effpretrain.models.factorized import FACTOR_KINDS
+from effpretrain.models.llama import PRESETS
+from optimizers import projection
 
 #: The paper-scale recipes (a source checkout's recipes/ folder).
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -110,7 +115,6 @@ def paper_methods(recipes_root: Path = RECIPES) -> list[str]:
 
 def _rank(cfg: Any) -> int | str:
     """The rank the recipe trains at: the factor rank, or a projecting method's (fixed) rank."""
-    from effpretrain.memory import projection_group
 
     if cfg.factor.kind != "none":
         return cfg.factor.rank
@@ -122,8 +126,6 @@ def _rank(cfg: Any) -> int | str:
 def basis_bytes(cfg: Any) -> int:
     """Bytes of the projection matrices P of a projecting recipe's targets (0 for any other):
     ``prod(projection.basis_shape)`` elements per projected matrix, at the parameters' dtype."""
-    from effpretrain.memory import model_param_shapes, precision, projection_group
-    from optimizers import projection
 
     spec = optimizers.method_spec(cfg.optim.name)
     if cfg.factor.kind != "none" or not spec.projects:
@@ -140,10 +142,6 @@ def basis_bytes(cfg: Any) -> int:
 
 def _estimate_row(row: dict[str, Any], path: Path, published: Published | None) -> None:
     """Fills `row`'s rank and byte counts from the recipe at `path` (an error note if it cannot)."""
-    from effpretrain.config import load_config
-    from effpretrain.errors import ConfigError
-    from effpretrain.memory import estimate_from_config
-    from effpretrain.models.llama import PRESETS
 
     if not path.is_file():
         row["error"] = f"no recipe {row['recipe']}"

@@ -1,0 +1,35 @@
+"""Loading a checkpoint's weights into a model: an exact match or a one-line error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from effpretrain.errors import ConfigError
+
+
+def load_model_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: str | Path) -> None:
+    """Loads a checkpoint's model state dict into `model`, requiring an exact match.
+
+    Every parameter and persistent buffer of `model` must be in `weights` with its shape, and
+    nothing else may be, except the model's non-persistent buffers (rotary ``inv_freq``), which
+    are rebuilt rather than loaded. Otherwise a one-line ConfigError naming `source` (the
+    checkpoint) and the first offending keys.
+    """
+    non_persistent = {
+        f"{name}.{b}" if name else b
+        for name, m in model.named_modules()
+        for b in m._non_persistent_buffers_set
+    }
+    try:
+        missing, unexpected = model.load_state_dict(
+            {k: v for k, v in weights.items() if k not in non_persistent}, strict=False
+        )
+    except RuntimeError as e:  # a shape mismatch: torch lists each one on its own line
+        detail = next((ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()), type(e).__name__)
+        raise ConfigError(f"checkpoint {source} does not match the model ({detail[:200]})") from None
+    if missing or unexpected:
+        raise ConfigError(
+            f"checkpoint {source} does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )

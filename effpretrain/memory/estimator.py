@@ -1,0 +1,445 @@
+"""The estimate (`estimate`, `estimate_from_config`): the sums and the peak moment of a step, per rank; the checkpointing plan; the printed table."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+import optimizers
+from effpretrain.config import ATTN_MLP_TARGETS, OptimConfig
+from effpretrain.errors import ConfigError
+from effpretrain.loss import DEFAULT_CHUNK_TOKENS
+from effpretrain.memory.activations import (
+    Activations,
+    _linear_elements,
+    activation_terms,
+    checkpointed_layers,
+)
+from effpretrain.memory.in_backward_terms import InBackwardTerms, in_backward_terms
+from effpretrain.memory.terms import (
+    DistTerms,
+    _dist_terms,
+    _Tally,
+    _tally_params,
+    data_bytes,
+    model_param_shapes,
+    precision,
+)
+from effpretrain.models.factorized import factor_spec
+from effpretrain.models.llama import PRESETS
+from effpretrain.optim_setup import head_group, projection_group
+
+
+@dataclass
+class Estimate:
+    """The analytic breakdown, all in bytes per rank."""
+
+    weights: int
+    grads: int
+    optimizer_state: int
+    activations: int
+    params: int
+    trainable_params: int
+    detail: dict[str, Any] = field(default_factory=dict)
+    #: the largest live total at any moment of a step (bytes, per rank); ``detail["peak_phase"]``
+    #: names that moment and ``detail["peak_terms"]`` its terms (name -> bytes).
+    peak: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer_state + self.activations
+
+    @property
+    def weights_plus_optimizer(self) -> int:
+        return self.weights + self.optimizer_state
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "weights": self.weights,
+            "grads": self.grads,
+            "optimizer_state": self.optimizer_state,
+            "activations": self.activations,
+            "weights_plus_optimizer": self.weights_plus_optimizer,
+            "total": self.total,
+            "peak": self.peak,
+            "params": self.params,
+            "trainable_params": self.trainable_params,
+            **self.detail,
+        }
+
+
+def peak_moments(
+    t: _Tally,
+    acts: Activations,
+    checkpointed: Collection[int],
+    grad_accum: int,
+    dist: DistTerms,
+    data: int = 0,
+    in_backward: InBackwardTerms | None = None,
+    accumulators: int | None = None,
+) -> dict[str, dict[str, int]]:
+    """Live bytes per term at each moment of a step; the peak is the largest total.
+
+    - ``forward_end``: weights + state + gradients held from earlier micro-steps (none with one
+      micro-step: the trainer zeroes them with set_to_none) + activations + the loss's live
+      forward terms (`LossBytes.forward`) + FSDP2's gathered units;
+    - ``loss_backward``: the same with the loss's backward terms (`LossBytes.backward`);
+    - ``block_backward``: the worst decoder block, last to first: the gradients produced so far
+      (the head, final norm and the blocks at or after it), the activations of the blocks before
+      it and the base, its own full saved set (recomputed if checkpointed) and its backward's
+      temporaries (gradients of its intermediates, ``2 N (h + i) e``, and FSDP2's reduce-scatter);
+    - ``optimizer_step``: weights + gradients + state + the method's step transients
+      (`MethodSpec.step_transient_bytes`) and a restart's (`FactorSpec.restart_transient_bytes`).
+    DDP's buckets (`DistTerms`) are live at every moment (holding the gradients themselves with
+    ``gradient_as_bucket_view``), and so is the training data's `data` (`data_bytes`).
+
+    With `in_backward` (``train.update_in_backward``; `accumulators`: its accumulators at the
+    step modelled, `InBackwardTerms.accumulators` by default) no moment holds every gradient: the
+    held gradients are the accumulators (all of them are alive at the last micro-step's forward
+    end and at the start of its backward), each block's backward holds the accumulators plus the
+    gradients in flight (`in_backward_terms`' rule) and the largest step unit's step transient
+    (the optimizer steps inside backward, one unit at a time), and ``optimizer_step`` (the
+    wrapper's step after backward, on no gradients) holds only a restart's transient.
+    """
+    base = {"weights": t.weights, "optimizer_state": t.state, "ddp_buckets": dist.buckets, "data": data}
+    held = t.grads if grad_accum > 1 else 0
+    if in_backward is not None:
+        held = in_backward.accumulators if accumulators is None else accumulators
+    out = {
+        "forward_end": {**base, "grads": held, "activations": acts.total, "loss": acts.loss.forward},
+        "loss_backward": {**base, "grads": held, "activations": acts.total, "loss": acts.loss.backward},
+    }
+    for m in out.values():
+        m["fsdp_gather"] = dist.gather
+    produced = t.grads - sum(t.block_grads.values())
+    before = acts.total - acts.loss.saved
+    worst: dict[str, int] = {}
+    for i in reversed(range(len(acts.blocks))):
+        before -= acts.blocks[i]
+        produced += t.block_grads.get(i, 0)
+        own = acts.block_full if i in checkpointed else acts.blocks[i]
+        m = {
+            **base,
+            "grads": max(held, produced) if in_backward is None else held + in_backward.in_flight,
+            "activations": before + (0 if i in checkpointed else own),
+            "recompute": own if i in checkpointed else 0,
+            "block_backward_temporaries": t.block_temporaries,
+            "fsdp_gather": dist.gather + dist.reduce,
+        }
+        if in_backward is not None:
+            m["optimizer_transient"] = in_backward.step_transient
+        if sum(m.values()) > sum(worst.values()):
+            worst = m
+    out["block_backward"] = worst
+    stepped = in_backward is not None  # every unit has stepped and freed its gradient
+    out["optimizer_step"] = {
+        **base,
+        "grads": 0 if stepped else t.grads,
+        "optimizer_transient": 0 if stepped else t.transient,
+        "restart_transient": t.restart_transient,
+    }
+    if dist.grads_in_buckets:
+        for m in out.values():
+            m["grads"] = 0
+    return out
+
+
+def _peak(moments: dict[str, dict[str, int]]) -> tuple[int, str, dict[str, int]]:
+    name = max(moments, key=lambda k: sum(moments[k].values()))
+    terms = {k: v for k, v in moments[name].items() if v}
+    return sum(terms.values()), name, terms
+
+
+def estimate(
+    preset: str,
+    method: str = "adamw",
+    *,
+    dtype: str = "bf16-pure",
+    vocab_size: int | None = None,
+    optim_cfg: Any = None,
+    factor_kind: str = "none",
+    factor_rank: int = 128,
+    density: float = 0.03,
+    factor_targets: list[str] | None = None,
+    batch_size: int = 1,
+    seq_len: int = 256,
+    activation_checkpointing: int | Collection[int] = 0,
+    world_size: int = 1,
+    sharding: str = "none",
+    warm_start: bool = False,
+    grad_accum: int = 1,
+    loss: str = "standard",
+    loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    restarts: bool = False,
+    ddp_bucket_view: bool = True,
+    data: int = 0,
+    update_in_backward: bool = False,
+    grad_clip: float = 0.0,
+) -> Estimate:
+    """Analytic memory of training `preset` with optimizer `method` (see module docstring).
+
+    `dtype` is a `PRECISIONS` name. Under FSDP2 each parameter is split on dim 0 into
+    `world_size` chunks with torch.chunk's sizes and the figures are rank 0's (the largest share).
+    `warm_start`: the full-rank warm-start phase of a kind that has one (ReLoRA's W0 trained with
+    the run's optimizer in a plain group, the factors frozen); ignored for other kinds.
+    `activation_checkpointing`: every k-th layer (an int) or the layer indices. `restarts`: the
+    run restarts (merges or refactorizes) factors, whose transient the step moment includes.
+    `data`: the training data's bytes during a step (`data_bytes`; the trainer's runs).
+    The peak is the largest moment of `peak_moments`.
+
+    `update_in_backward` (``train.update_in_backward``): ``grads`` is the in-backward gradient
+    figure between refreshes, accumulators + gradients in flight (`in_backward_terms`), and the
+    moments are `in_backward_moments` (a refresh step's larger accumulators included in the
+    peak). Detail keys: ``update_in_backward``, ``grads_all_parameters`` (every trainable
+    gradient: the normal path's figure), ``grad_accumulators``, ``grad_accumulators_at_refresh``,
+    ``grads_in_flight``, ``grads_at_refresh``, ``in_backward_step_transient`` and
+    ``peak_between_refreshes``. Under FSDP2 the accumulators are per-rank shards (assumed: the
+    in-backward FSDP2 path reduce-scatters every micro-step, so no unsharded gradient is kept);
+    under DDP no gradient bucket is counted (assumed: each final gradient is all-reduced on its
+    own in its hook, `InBackward`'s ``reduce``). Low-rank accumulators only with `grad_clip` 0
+    (``train.grad_clip``): with clipping on every accumulator is full, so that the clipping norm
+    is the whole gradient's in every launch mode (`effpretrain.in_backward`).
+    """
+
+    optim_cfg = optim_cfg or OptimConfig(name=method)
+    prec = precision(dtype)
+    mspec = optimizers.method_spec(method)
+    shard = world_size if sharding == "fsdp2" else 1
+    t = _Tally(mspec, prec.params, shard, whole_state=shard > 1 and mspec.fsdp2_whole_state)
+    t.low_rank_acc = shard == 1 and grad_clip <= 0
+    factor = factor_spec(factor_kind) if factor_kind != "none" else None
+    targets = list(factor_targets or ATTN_MLP_TARGETS)
+    shapes = model_param_shapes(preset, vocab_size)
+    _tally_params(
+        t,
+        shapes,
+        projection_group(optim_cfg) if mspec.projects else None,
+        list(optim_cfg.targets),
+        factor,
+        targets,
+        factor_rank,
+        density,
+        warm_start,
+        restarts,
+        head_group(method, PRESETS[preset].hidden // PRESETS[preset].heads),
+    )
+    t.finish()
+    p = PRESETS[preset]
+    ck = checkpointed_layers(activation_checkpointing, p.layers)
+    rank_saves = 0 if factor is None or (warm_start and factor.warm_starts) else factor.rank_saves
+    acts = activation_terms(
+        preset,
+        vocab_size,
+        batch_size,
+        seq_len,
+        ck,
+        dtype,
+        rank_inputs=len(set(targets) & set(ATTN_MLP_TARGETS)) * rank_saves,
+        rank=factor_rank,
+        linear_weights=_linear_elements(shapes, factor, targets, factor_rank, density),
+        loss=loss,
+        loss_chunk_tokens=loss_chunk_tokens,
+    )
+    t.block_temporaries = 2 * batch_size * seq_len * (p.hidden + p.intermediate) * prec.activations.itemsize
+    ib = in_backward_terms(t, grad_accum) if update_in_backward else None
+    # In backward, DDP's buckets are not used (assumed: each final gradient is reduced in its hook).
+    dist = _dist_terms(t, "none" if ib and sharding == "ddp" else sharding, world_size, ddp_bucket_view)
+    if ib is None:
+        moments = peak_moments(t, acts, ck, grad_accum, dist, data)
+    else:
+        moments = in_backward_moments(t, acts, ck, grad_accum, dist, data, ib)
+    peak, moment, terms = _peak(moments)
+    detail = {
+        "preset": preset,
+        "method": method,
+        "dtype": dtype,
+        "factor": factor_kind,
+        "world_size": world_size,
+        "sharding": sharding,
+        "sparse_index_bytes": t.index_bytes,
+        "optimizer_state_per_rank": t.state_ranks,
+        "checkpointed_layers": sorted(ck),
+        "loss": loss,
+        "peak_phase": "optimizer_step" if moment == "optimizer_step" else "forward_backward",
+        "peak_moment": moment,
+        "peak_terms": terms,
+    }
+    if ib is not None:
+        detail.update(_in_backward_detail(t, ib, moments))
+    grads = t.grads if ib is None else ib.grads
+    return Estimate(t.weights, grads, t.state, acts.total, t.params, t.trainable, detail, peak=peak)
+
+
+def estimate_from_config(
+    cfg: Any,
+    vocab_size: int,
+    world_size: int = 1,
+    sharding: str = "none",
+    checkpointed: Collection[int] | None = None,
+) -> Estimate:
+    """The estimate for a resolved RunConfig (what the trainer stores in summary.json).
+
+    A run with a full-rank warm start (`factor.warm_start_steps` > 0) has two phases: the warm
+    start (W0 trained: m n gradient and full-rank state per target) and the factorized phase after
+    the switch. The estimate returned is the phase with the larger total (the warm start, unless
+    r (m + n) > m n), with ``detail["phase"]`` naming it and ``detail["phases"]`` holding
+    weights, grads, optimizer_state, total, peak and trainable_params of both ("warm_start",
+    "factorized"); its `peak` is the larger phase's peak.
+
+    `checkpointed` (layer indices) overrides ``train.activation_checkpointing``; its ``auto`` is
+    resolved by `plan_checkpointing`.
+    """
+    ck = cfg.train.activation_checkpointing if checkpointed is None else checkpointed
+    if ck == "auto":
+        ck = plan_checkpointing(cfg, vocab_size, world_size, sharding)[0]
+    run = functools.partial(_estimate_config, cfg, vocab_size, world_size, sharding, ck)
+    factorized = run(warm_start=False)
+    spec = factor_spec(cfg.factor.kind) if cfg.factor.kind != "none" else None
+    if not (cfg.factor.warm_start_steps and spec is not None and spec.warm_starts):
+        return factorized
+    phases = {"warm_start": run(warm_start=True), "factorized": factorized}
+    keys = ("weights", "grads", "optimizer_state", "total", "peak", "trainable_params")
+    table = {name: {k: getattr(e, k) for k in keys} for name, e in phases.items()}
+    phase = max(phases, key=lambda name: phases[name].total)
+    top = max(phases.values(), key=lambda e: e.peak)
+    peak_detail = {k: top.detail[k] for k in ("peak_phase", "peak_moment", "peak_terms")}
+    chosen = phases[phase]
+    detail = {**chosen.detail, **peak_detail, "phase": phase, "phases": table}
+    return dataclasses.replace(chosen, peak=top.peak, detail=detail)
+
+
+def plan_checkpointing(
+    cfg: Any, vocab_size: int, world_size: int = 1, sharding: str = "none"
+) -> tuple[list[int], Estimate]:
+    """``train.activation_checkpointing: auto``: the fewest decoder layers to checkpoint so that
+    the estimated peak fits ``train.memory_budget_gb`` (GB = 1e9 bytes), and that estimate.
+
+    Blocks save equal activations, and checkpointing a lower block frees its activations for
+    every later moment of the backward, so layers are taken from layer 0 up: the first k that fits.
+
+    Raises:
+        ConfigError: no budget is set, or even checkpointing every layer exceeds it.
+    """
+
+    budget = cfg.train.memory_budget_gb
+    if budget is None:
+        raise ConfigError("train.activation_checkpointing=auto needs train.memory_budget_gb")
+    layers = PRESETS[cfg.model.preset].layers
+    for k in range(layers + 1):
+        est = estimate_from_config(cfg, vocab_size, world_size, sharding, checkpointed=range(k))
+        if est.peak <= budget * 1e9:
+            return list(range(k)), est
+    name, biggest = max(est.detail["peak_terms"].items(), key=lambda kv: kv[1])
+    raise ConfigError(
+        f"train.memory_budget_gb={budget:g}: nothing fits; with every decoder layer checkpointed the "
+        f"estimated peak is {est.peak / 1e9:.3f} GB (largest term: {name} {biggest / 1e9:.3f} GB)"
+    )
+
+
+def _estimate_config(
+    cfg: Any, vocab_size: int, world_size: int, sharding: str, checkpointed: Any, warm_start: bool
+) -> Estimate:
+    return estimate(
+        cfg.model.preset,
+        cfg.optim.name,
+        dtype=cfg.train.precision,
+        vocab_size=vocab_size,
+        optim_cfg=cfg.optim,
+        factor_kind=cfg.factor.kind,
+        factor_rank=cfg.factor.rank,
+        density=cfg.factor.density,
+        factor_targets=cfg.factor.targets,
+        batch_size=cfg.train.batch_size,
+        seq_len=cfg.data.seq_len,
+        activation_checkpointing=checkpointed,
+        world_size=world_size,
+        sharding=sharding,
+        warm_start=warm_start,
+        grad_accum=cfg.train.grad_accum,
+        loss=cfg.train.loss,
+        loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+        restarts=cfg.restarts.every > 0,
+        data=data_bytes(cfg.data.shuffle_buffer, cfg.data.seq_len),
+        update_in_backward=cfg.train.update_in_backward,
+        grad_clip=cfg.train.grad_clip,
+    )
+
+
+def format_table(est: Estimate, top: int = 4) -> str:
+    """A human-readable breakdown in GB (1e9 bytes): the sums, then the peak, the moment it is
+    reached and its `top` largest terms."""
+    rows = [
+        ("weights", est.weights),
+        ("gradients (in backward)" if est.detail.get("update_in_backward") else "gradients", est.grads),
+        ("optimizer state", est.optimizer_state),
+        ("activations", est.activations),
+        ("weights + optimizer", est.weights_plus_optimizer),
+        ("total", est.total),
+        ("peak", est.peak),
+    ]
+    d = est.detail
+    head = (
+        f"{d['preset']} / {d['method']}"
+        + (f" + {d['factor']}" if d["factor"] != "none" else "")
+        + f" / {d['dtype']} / world {d['world_size']} ({d['sharding']}), per rank"
+        + (" / updates in backward" if d.get("update_in_backward") else "")
+    )
+    lines = [head, f"  params {est.params:,}  trainable {est.trainable_params:,}"]
+    lines += [f"  {name:<24}{b / 1e9:>10.3f} GB  ({b:,} B)" for name, b in rows]
+    ranks = d.get("optimizer_state_per_rank", [])
+    if len(ranks) > 1 and min(ranks) != max(ranks):
+        lines.insert(
+            5, f"    (the largest rank's; every rank {min(ranks) / 1e9:.3f}-{max(ranks) / 1e9:.3f} GB)"
+        )
+    if d.get("update_in_backward"):
+        sub = [
+            ("accumulators", d["grad_accumulators"]),
+            ("in flight", d["grads_in_flight"]),
+            ("at a refresh step", d["grads_at_refresh"]),
+            ("all, normal path", d["grads_all_parameters"]),
+        ]
+        lines[4:4] = [f"    {name:<22}{b / 1e9:>10.3f} GB" for name, b in sub]
+    terms = sorted(d.get("peak_terms", {}).items(), key=lambda kv: -kv[1])[:top]
+    lines.append(f"  peak at {d.get('peak_moment', '?')} ({d.get('peak_phase', '?')}), largest terms:")
+    lines += [f"    {name:<22}{b / 1e9:>10.3f} GB" for name, b in terms]
+    return "\n".join(lines)
+
+
+def in_backward_moments(
+    t: _Tally,
+    acts: Activations,
+    checkpointed: Collection[int],
+    grad_accum: int,
+    dist: DistTerms,
+    data: int,
+    terms: InBackwardTerms,
+) -> dict[str, dict[str, int]]:
+    """`peak_moments` of an in-backward step between refreshes and, where a refresh step holds
+    larger accumulators (full ones for every projected matrix), its forward end, loss backward and
+    block backward again as ``refresh_forward_end``, ``refresh_loss_backward`` and
+    ``refresh_block_backward``: the bounded spike, part of the peak."""
+    out = peak_moments(t, acts, checkpointed, grad_accum, dist, data, terms)
+    if terms.accumulators_at_refresh != terms.accumulators:
+        spike = peak_moments(
+            t, acts, checkpointed, grad_accum, dist, data, terms, terms.accumulators_at_refresh
+        )
+        out.update({f"refresh_{k}": v for k, v in spike.items() if k != "optimizer_step"})
+    return out
+
+
+def _in_backward_detail(t: _Tally, ib: InBackwardTerms, moments: dict[str, dict[str, int]]) -> dict[str, Any]:
+    """The detail keys of an in-backward estimate (see `estimate`)."""
+    steady = {k: v for k, v in moments.items() if not k.startswith("refresh_")}
+    return {
+        "update_in_backward": True,
+        "grads_all_parameters": t.grads,
+        "grad_accumulators": ib.accumulators,
+        "grad_accumulators_at_refresh": ib.accumulators_at_refresh,
+        "grads_in_flight": ib.in_flight,
+        "grads_at_refresh": ib.grads_at_refresh,
+        "in_backward_step_transient": ib.step_transient,
+        "peak_between_refreshes": _peak(steady)[0],
+    }
