@@ -15,7 +15,7 @@ device's name, and the torch and CUDA versions; ``DIR/summary.md`` joins them):
   ..., 1) whose estimate fits every method in 85% of the device, for adamw, galore (rank 512),
   galore_8bit, apollo_mini, muon, lowrank_restarts, sltrain and cola_m, plus galore_8bit with
   updates in backward and activation checkpointing: measured by category (the allocator on CUDA,
-  `memory_measure.measure_run`, two steps) against the estimator. Weights, gradients and state
+  `effpretrain.memory.measure.measure_run`, two steps) against the estimator. Weights, gradients and state
   must be equal, the peak within 5% (flagged otherwise).
 - ``speed``: tokens/s and MFU at the same shape for adamw, galore, apollo_mini, muon and lowrank,
   eager and compiled (`train.compile`): the median of timed steps after warm-up steps, the
@@ -280,7 +280,7 @@ def section_numerics(scale: Scale, budget: Budget) -> list[dict[str, Any]]:
 
 
 def device_bytes(device: str) -> int:
-    from effpretrain.memory_measure import device_memory_limit
+    from effpretrain.memory.preflight import device_memory_limit
 
     return device_memory_limit(torch.device(device))[0]
 
@@ -312,7 +312,7 @@ def fitting_batch(scale: Scale, methods: tuple[str, ...]) -> int:
 
 def memory_case(method: str, scale: Scale, batch: int, extra: tuple[str, ...] = ()) -> dict[str, Any]:
     from effpretrain.memory import estimate_from_config
-    from effpretrain.memory_measure import measure_run
+    from effpretrain.memory.measure import measure_run
 
     cfg = paper_config(method, scale, batch, extra)
     est = estimate_from_config(cfg, scale.vocab)

@@ -6,7 +6,7 @@ paper's T5 tokenizer), methods adamw, galore, fira, apollo and lowrank_restarts 
 recipes, ``recipes/tiny/<method>.yaml``, with the projection or factor rank set to hidden / 4 as
 the papers' small models), K = 1 and K = 4 micro-batches of 1 x 64 tokens (the standard loss), each
 run once with ``train.update_in_backward: false`` and once with ``true``. Each run is built as the
-trainer builds it (`effpretrain.memory_measure.measure_run`) and its first two steps are measured
+trainer builds it (`effpretrain.memory.measure.measure_run`) and its first two steps are measured
 by tensor accounting (`measure_step`): step 0 builds the optimizer state and is a refresh step for
 the projecting methods (GaLore's projected matrices keep full accumulators there), step 1 is a
 non-refresh step (refreshes every 50 steps, restarts every 50): the figures below are step 1's, and
@@ -47,7 +47,7 @@ import torch
 import optimizers
 from effpretrain import memory
 from effpretrain.config import load_config
-from effpretrain.memory_measure import measure_run
+from effpretrain.memory.measure import measure_run
 from effpretrain.models.llama import PRESETS
 from effpretrain.reporting import provenance
 

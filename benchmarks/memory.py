@@ -2,7 +2,7 @@
 
 Grid (fp32, CPU): every tiny recipe (``recipes/tiny/*.yaml``) at its own batch, and llama_20m
 (``model.preset=llama_20m``) with adamw, galore, lowrank_restarts and sltrain. Each run is built as
-the trainer builds it (`effpretrain.memory_measure.measure_run`: the run's model, its planned
+the trainer builds it (`effpretrain.memory.measure.measure_run`: the run's model, its planned
 activation checkpointing and its optimizer) and its first two steps are measured by tensor
 accounting (`measure_step`): step 0 builds the optimizer state (and a projecting method's first
 basis, a refresh step), step 1 is the steady state. The measured figure of a category is its largest
@@ -41,7 +41,7 @@ import torch
 from effpretrain import loss as loss_mod
 from effpretrain import memory
 from effpretrain.config import load_config
-from effpretrain.memory_measure import measure_run
+from effpretrain.memory.measure import measure_run
 from effpretrain.reporting import provenance
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -347,7 +347,7 @@ class TrainConfig:
     """Per-rank memory budget (GB = 1e9 bytes) that `activation_checkpointing: auto` fits the
     estimated peak into."""
     memory_steps: list[PositiveInt] | None = None
-    """Steps whose memory is measured by category (`effpretrain.memory_measure`; metrics.jsonl
+    """Steps whose memory is measured by category (`effpretrain.memory.measure`; metrics.jsonl
     and summary.json `memory_measured`); `null`: steps 1 and 2 (the first with the optimizer
     state alive throughout), the first basis refresh after them (projected methods) and the first
     restart; `[]`: none. Other steps run without hooks."""

@@ -21,10 +21,11 @@ from typing import IO, Any
 import torch
 
 import optimizers
-from effpretrain import flops, memory, memory_measure
+from effpretrain import flops, memory
 from effpretrain.config import RunConfig, config_hash, dump_yaml, to_dict
 from effpretrain.evaluation import EvalResult
-from effpretrain.memory_measure import MEASURED_KEYS
+from effpretrain.memory import measure
+from effpretrain.memory.measure import MEASURED_KEYS
 from effpretrain.models.factorized import warming_up
 from effpretrain.optim_setup import opt_telemetry
 from optimizers._sharded import local as _local
@@ -126,7 +127,7 @@ class RunReport:
             util = flops.mfu(self.flops_per_token * tokens_per_s, self.peak, self.acc.num_processes)
             if util is not None:
                 shown["mfu"] = f"{util:.1%}"
-        shown["mem"] = f"{memory_measure.process_peak_bytes(self.acc.device) / 2**30:.2f}G"
+        shown["mem"] = f"{measure.process_peak_bytes(self.acc.device) / 2**30:.2f}G"
         self._bar.set_postfix(shown)
 
     def close_progress(self) -> None:
@@ -203,7 +204,7 @@ def build_summary(
             step's most gradient bytes alive at once: accumulators and gradients in flight) or
             ``estimate_in_backward`` (the estimator's figure, when no first step was measured).
         sharding: "none", "ddp" or "fsdp2" as run.
-        memory_records: per measured step, every rank's `memory_measure.measure_step` result
+        memory_records: per measured step, every rank's `effpretrain.memory.measure.measure_step` result
             (``memory_measured``, see `measured_memory`).
         telemetry: the optimizer's telemetry (over every rank); None reads this rank's.
         state_ranks: every rank's measured optimizer-state bytes, in rank order (None: one rank).
@@ -243,7 +244,7 @@ def build_summary(
         "tokens_per_s": tokens_per_s,
         **speed_figures(cfg, acc, vocab_size, tokens_per_s, compile_s),
         "wall_s": time.time() - clock.start_wall,
-        "peak_memory_bytes": memory_measure.process_peak_bytes(acc.device),
+        "peak_memory_bytes": measure.process_peak_bytes(acc.device),
         "optimizer_state_bytes": measured_state,
         "weight_bytes": weight_bytes,
         "grad_bytes": grad_bytes,

@@ -24,7 +24,7 @@ import torch
 
 import optimizers
 from effpretrain import data as data_mod
-from effpretrain import evaluation, flops, memory, memory_measure
+from effpretrain import evaluation, flops, memory
 from effpretrain.checkpoint import Checkpointer, find_resume
 from effpretrain.checkpoint import complete_checkpoints as _complete_checkpoints
 from effpretrain.compile import check_compilable, compile_seconds
@@ -34,6 +34,7 @@ from effpretrain.evaluation import EvalResult, evaluate_checkpoint
 from effpretrain.in_backward import InBackward
 from effpretrain.launch import check_launch, choose_launch, make_accelerator
 from effpretrain.loss import token_loss_sum
+from effpretrain.memory import measure, preflight
 from effpretrain.models.factorized import end_warm_start_, factor_spec, warming_up
 from effpretrain.optim_setup import build_optimizer_and_schedule, opt_telemetry, warm_start_steps
 from effpretrain.reporting import RunClock, RunReport, build_summary
@@ -87,7 +88,7 @@ class Trainer:
         self.grad_bytes = 0  # measured per rank after the first step
         self.grad_bytes_source = "every_trainable_parameter"  # what grad_bytes is (`_grad_bytes`)
         self.memory_steps = set(memory_steps(cfg))
-        # One entry per measured step: the per-rank measurements (memory_measure.measure_step).
+        # One entry per measured step: the per-rank measurements (measure.measure_step).
         self.memory_records: list[list[dict[str, Any]]] = []
         self._measured: dict[str, Any] | None = None  # this step's, until it is reported
         self._saved_step: int | None = None  # the step whose checkpoint this run wrote or resumed
@@ -115,12 +116,12 @@ class Trainer:
 
     def _preflight(self) -> None:
         """Refuses, before any data or model is built, a run whose estimated per-rank peak exceeds
-        this process's device memory (`memory_measure.check_fits`). The vocabulary is the builtin
+        this process's device memory (`preflight.check_fits`). The vocabulary is the builtin
         tokenizer's configured size, or the preset's for a named tokenizer (not loaded yet)."""
         d = self.cfg.data
         vocab = d.vocab_size if d.tokenizer == "builtin-bpe" else None
         est = memory.estimate_from_config(self.cfg, vocab, self.world, self.launch.sharding)
-        memory_measure.check_fits(est, self.acc.device)
+        preflight.check_fits(est, self.acc.device)
 
     def _resume_target(self, resume: str | None) -> Path | None:
         path = find_resume(self.out, resume) if resume else None
@@ -290,9 +291,9 @@ class Trainer:
         return out
 
     def _measured_step(self, step: int) -> tuple[float, float, bool]:
-        """`_train_step` under `memory_measure.measure_step` (hooks on for this step only)."""
+        """`_train_step` under `measure.measure_step` (hooks on for this step only)."""
         box: dict[str, Any] = {}
-        self._measured = memory_measure.measure_step(
+        self._measured = measure.measure_step(
             lambda: box.setdefault("out", self._train_step()),
             self.model,
             self.inner_opt,
@@ -365,7 +366,7 @@ class Trainer:
                 "lr": self.sched.get_last_lr()[0],
                 "grad_norm": gnorm,
                 "tokens_per_s": self.tokens_per_step / max(clock.since_step_start(), 1e-9),
-                "peak_memory_bytes": memory_measure.process_peak_bytes(self.acc.device),
+                "peak_memory_bytes": measure.process_peak_bytes(self.acc.device),
                 "optimizer_state_bytes": optimizers.measured_state_bytes(self.inner_opt),
                 **self._telemetry(),
                 "opt/step_s": self.opt_seconds,

@@ -47,7 +47,7 @@ COMPOSED = {
 # basis they agree to 1e-3. That is the size of eager GaLore's own spread: one thread against two
 # moves its 20-step val loss by 2e-5, and by 4.4e-4 with updates in backward, on this project's CPU.
 TOLERANCE = {"galore": 1e-3}
-# No measured steps: a step measured on CPU runs its blocks eagerly (memory_measure), and every
+# No measured steps: a step measured on CPU runs its blocks eagerly (effpretrain.memory.measure), and every
 # step here should run compiled. The recipes' basis gaps: GaLore refreshes once (step 1), since a
 # refresh's SVD amplifies last-bit differences of the gradient (at a gap of 5, one thread against
 # two moves GaLore's 20-step val loss by 2.6e-3 in eager runs alone).

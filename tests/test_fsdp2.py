@@ -134,7 +134,7 @@ def _check_per_rank_state(many: dict, one: dict, world: int) -> None:
     ranks = many["optimizer_state_bytes_per_rank"]
     assert len(ranks) == world and ranks[0] == many["optimizer_state_bytes"]
     assert ranks == many["estimated"]["optimizer_state_per_rank"], "per-rank estimate"
-    # The measured steps' tensor accounting (memory_measure) sees the same bytes on every rank.
+    # The measured steps' tensor accounting (effpretrain.memory.measure) sees the same bytes on every rank.
     tracked = [r["max"]["optimizer_state"] for r in many["memory_measured"]["ranks"]]
     assert tracked == ranks
     assert many["estimate_matches_measured"]["optimizer_state"]

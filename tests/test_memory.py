@@ -215,7 +215,7 @@ def test_fsdp2_state_per_rank_shrinks_with_ranks(method, world):
 
 
 # ----------------------------------------------------------------------------------------------
-# The peak model, checked against measured tensors (effpretrain.memory_measure.measure_step).
+# The peak model, checked against measured tensors (effpretrain.memory.measure.measure_step).
 
 RECIPES = sorted((ROOT / "recipes" / "tiny").glob("*.yaml"))
 
@@ -240,7 +240,7 @@ def _saved_activation_bytes(model, fn):
 def _measured_run(cfg, vocab_size, steps=2):
     """The run's model and optimizer built as the trainer does, `steps` steps measured: the one
     with the largest peak (from the second step the optimizer state exists before the forward)."""
-    from effpretrain.memory_measure import measure_run
+    from effpretrain.memory.measure import measure_run
 
     return max(measure_run(cfg, vocab_size, steps), key=lambda r: r["peak"])
 

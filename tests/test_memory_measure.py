@@ -1,4 +1,4 @@
-"""Measured memory by category (effpretrain.memory_measure): exact on a toy model, equal to the
+"""Measured memory by category (effpretrain.memory.measure): exact on a toy model, equal to the
 estimator's weights, gradients and optimizer state on every tiny recipe, recorded by the trainer
 on the chosen steps only, and refused up front when a run cannot fit (pre-flight)."""
 
@@ -19,7 +19,8 @@ import optimizers
 from effpretrain import memory
 from effpretrain.config import load_config
 from effpretrain.loss import token_loss_sum
-from effpretrain.memory_measure import CATEGORIES, device_memory_limit, measure_step
+from effpretrain.memory.measure import CATEGORIES, measure_step
+from effpretrain.memory.preflight import device_memory_limit
 from effpretrain.models.factorized import warming_up
 from effpretrain.optim_setup import build_optimizer_and_schedule
 from effpretrain.run_model import build_run_model
@@ -178,7 +179,7 @@ DDP_WORKER = textwrap.dedent(
     import torch
     import torch.distributed as dist
     from effpretrain.config import load_config
-    from effpretrain.memory_measure import measure_step
+    from effpretrain.memory.measure import measure_step
     from effpretrain.trainer import train
 
     root, out, mode, common = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4:]
@@ -286,10 +287,10 @@ def test_preflight_refuses_llama_1b_adamw_fp32_batch_64_within_seconds(tmp_path)
 
 @pytest.mark.run
 def test_allow_oversubscribe_skips_the_preflight(tmp_path, monkeypatch):
-    from effpretrain import memory_measure
     from effpretrain.errors import ConfigError
+    from effpretrain.memory import preflight
 
-    monkeypatch.setattr(memory_measure, "device_memory_limit", lambda device: (1000, "a 1 kB test limit"))
+    monkeypatch.setattr(preflight, "device_memory_limit", lambda device: (1000, "a 1 kB test limit"))
     over = _tiny_overrides() + ["train.max_steps=1", "train.eval_every=0", "train.eval_tokens=256"]
     cfg = load_config(ROOT / "recipes/tiny/adamw.yaml", over)
     with pytest.raises(ConfigError, match=r"exceeds a 1 kB test limit, 0.00 GB \(biggest term: "):
@@ -357,7 +358,7 @@ def test_in_backward_measured_gradients_within_the_estimate(recipe, k):
     step 1 between GaLore's refreshes (low-rank accumulators for K = 4), step 0 a refresh step
     (full accumulators: the estimator's refresh figure). The measured peak is within 10% below
     the estimated one, and below the normal path's peak at K = 1."""
-    from effpretrain.memory_measure import measure_run
+    from effpretrain.memory.measure import measure_run
 
     over = [
         "data.seq_len=32",
@@ -409,7 +410,7 @@ def test_a_storage_resized_to_zero_is_released_and_resized_back_is_allocated():
     to full size as a new allocation, through the same FSDP2 functions the measured step wraps."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param
 
-    from effpretrain.memory_measure import _Registry, _watch_fsdp2_resizes
+    from effpretrain.memory.measure import _Registry, _watch_fsdp2_resizes
 
     reg = _Registry()
     w = torch.ones(256)  # 1 KiB, "saved for backward" by a forward

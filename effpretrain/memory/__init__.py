@@ -1,7 +1,7 @@
 """Memory: the analytic estimate (no tensor is allocated), its terms, the measured numbers and the
 published figures (`published`). Modules: `terms` (precisions, shapes, the per-parameter tally and
 the distributed terms), `activations`, `in_backward_terms`, `estimator` (the sums and the peak),
-`measured`, `published`; the measurement instrument is `effpretrain.memory_measure`.
+`published`; the measurement instrument `measure`, and the pre-flight check `preflight`.
 
 Estimate, per rank, in bytes:
 
@@ -68,7 +68,7 @@ from effpretrain.memory.estimator import (
     plan_checkpointing,
 )
 from effpretrain.memory.in_backward_terms import InBackwardTerms, in_backward_terms, lowrank_accumulator_bytes
-from effpretrain.memory.measured import peak_memory_bytes, saved_tensor_bytes, tensor_bytes
+from effpretrain.memory.measure import peak_memory_bytes, saved_tensor_bytes, tensor_bytes
 from effpretrain.memory.terms import (
     PRECISIONS,
     ParamShape,

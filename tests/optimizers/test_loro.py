@@ -295,7 +295,7 @@ def test_estimated_peak_matches_measured_across_an_exact_step() -> None:
     gradients and state exact, the peak (the optimizer step) within 5%."""
     from effpretrain.config import load_config
     from effpretrain.memory import estimate_from_config
-    from effpretrain.memory_measure import measure_run
+    from effpretrain.memory.measure import measure_run
 
     over = ["train.batch_size=1", "data.seq_len=16", "restarts.every=2", "data.shuffle_buffer=0"]
     cfg = load_config(_tiny_recipe(), over)

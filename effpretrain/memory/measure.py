@@ -65,19 +65,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
+import resource
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-from effpretrain.errors import ConfigError
 from effpretrain.in_backward import InBackward
-from effpretrain.memory import estimate_from_config, peak_memory_bytes
+from effpretrain.memory.estimator import estimate_from_config
 from effpretrain.optim_setup import build_optimizer_and_schedule
 from effpretrain.run_model import build_run_model, make_train_step, place_model, synthetic_batch
 from optimizers._sharded import local as _local
@@ -85,12 +84,12 @@ from optimizers._sharded import local as _local
 __all__ = [
     "CATEGORIES",
     "MEASURED_KEYS",
-    "biggest_term",
-    "check_fits",
-    "device_memory_limit",
     "measure_run",
     "measure_step",
+    "peak_memory_bytes",
     "process_peak_bytes",
+    "saved_tensor_bytes",
+    "tensor_bytes",
 ]
 
 #: The categories in priority order: a storage shared by two counts in the first.
@@ -559,59 +558,33 @@ def _result(rec: _Step, step: int, device: torch.device) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# Pre-flight: refuse a run whose estimated peak cannot fit, before anything is built.
+# Simple readings: the process or device peak, tensor bytes, saved-for-backward bytes of a call
 
 
-def device_memory_limit(device: torch.device) -> tuple[int, str]:
-    """Bytes one process may use on `device`, and what that figure is.
-
-    CUDA: the device's total memory. CPU: the available RAM (``MemAvailable`` from
-    /proc/meminfo, else free pages x page size) divided by the processes on this machine
-    (``LOCAL_WORLD_SIZE``), since they share it.
-    """
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA max allocated on GPU; the process's peak resident set size on CPU."""
     if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory), f"{device} total memory"
-    avail = _mem_available()
-    local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
-    what = "available RAM" + (f" / {local} local processes" if local > 1 else "")
-    return avail // local, what
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
-def _mem_available() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes the given tensors hold: sum of numel * element size."""
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def biggest_term(est: Any) -> tuple[str, int]:
-    """The largest term of an `effpretrain.memory.Estimate`'s peak (its ``peak_terms`` when the
-    estimator gives them, else the largest of weights, grads, optimizer state, activations)."""
-    terms = est.detail.get("peak_terms") or {
-        "weights": est.weights,
-        "grads": est.grads,
-        "optimizer_state": est.optimizer_state,
-        "activations": est.activations,
-    }
-    name = max(terms, key=lambda k: terms[k])
-    return name, int(terms[name])
+def saved_tensor_bytes(fn: Any) -> tuple[int, Any]:
+    """Bytes the autograd graph of `fn()` saves for backward (each distinct storage once, as it
+    is held once), measured with `torch.autograd.graph.saved_tensors_hooks`; and `fn()`'s result.
+    Works on any device, CPU included, where process RSS cannot tell tensors apart."""
+    storages: dict[int, int] = {}
 
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return t
 
-def check_fits(est: Any, device: torch.device) -> None:
-    """ConfigError (one line: the estimate, the limit, the biggest term) when the estimate's
-    per-rank peak (``peak``; ``total`` for an estimator without one) exceeds
-    `device_memory_limit`."""
-
-    peak = int(getattr(est, "peak", est.total))
-    limit, what = device_memory_limit(device)
-    if peak <= limit:
-        return
-    name, size = biggest_term(est)
-    raise ConfigError(
-        f"estimated peak memory {peak / 1e9:.2f} GB per process exceeds {what}, {limit / 1e9:.2f} GB "
-        f"(biggest term: {name} {size / 1e9:.2f} GB); reduce the batch, use activation checkpointing, "
-        "or pass --allow-oversubscribe to run anyway"
-    )
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(storages.values()), out
