@@ -27,7 +27,7 @@ def config_page() -> str:
     """Every YAML key: its default, its allowed values and its meaning (the field docstrings)."""
     return (
         "# Config reference\n\n"
-        "Every key of a recipe, generated from the dataclasses in `effpretrain/config.py` (their types, "
+        "Every key of a recipe, generated from the dataclasses in `effpretrain/config/schema.py` (their types, "
         "defaults and field docstrings). Unknown keys, wrong types and out-of-range values are errors "
         "that name the key and the file (exit code 2). See [Training](../training.md) for how recipes "
         "and `--set` overrides fill them.\n\n" + config_table()
