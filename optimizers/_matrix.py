@@ -42,8 +42,7 @@ from typing import Any, ClassVar
 import torch
 
 from optimizers._owners import DEFAULT_BUCKET_BYTES, OwnerPlaced
-from optimizers._sharded import is_dtensor, local, whole, write_whole_
-from optimizers.projected_adam import _nonzero_flags
+from optimizers._sharded import is_dtensor, local, nonzero_flags, whole, write_whole_
 
 STEP = "step"
 EXP_AVG = "exp_avg"
@@ -64,13 +63,6 @@ def adamw_step_(p: torch.Tensor, g: torch.Tensor, state: dict[str, Any], group: 
     v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
     denom = (v.sqrt() / math.sqrt(1.0 - beta2**t)).add_(group["eps"])
     p.addcdiv_(m, denom, value=-lr / (1.0 - beta1**t))
-
-
-def nonzero_flags(grads: list[torch.Tensor]) -> list[bool]:
-    """[G != 0 anywhere, for G in grads]; under FSDP2 decided on the whole gradient, identically
-    on every rank (see `optimizers.projected_adam._nonzero_flags`)."""
-
-    return _nonzero_flags(grads)
 
 
 class MatrixOptimizer(OwnerPlaced, torch.optim.Optimizer):

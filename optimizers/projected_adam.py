@@ -87,451 +87,43 @@ the step N times and keeps the state whole on every rank (`ProjectedAdam._whole_
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import torch
 
 from optimizers import projection as proj
+from optimizers._adam import (
+    ADAM_CONVENTIONS,
+    EXP_AVG,
+    EXP_AVG_SQ,
+    STEP,
+    AdamMoments,
+    _check_adam,
+    _decay,
+    adam_update,
+    fusable,
+)
 from optimizers._owners import DEFAULT_BUCKET_BYTES, OwnerPlaced
 from optimizers._sharded import is_dtensor as _is_dtensor
-from optimizers._sharded import local, whole, write_whole_
-
-ADAM_CONVENTIONS: tuple[str, ...] = ("reference", "torch")
-
-# State keys (torch's names where torch has one).
-STEP = "step"
-"""t, the parameter's own Adam step count (int)."""
-EXP_AVG = "exp_avg"
-"""M, Adam's first moment."""
-EXP_AVG_SQ = "exp_avg_sq"
-"""V, Adam's second moment."""
-BASIS = "basis"
-"""P, the stored projection basis (absent for regenerated random bases)."""
-REFRESH = "refresh"
-"""k, bases computed (or random bases drawn) so far (int)."""
-SEED = "seed"
-"""The parameter's own seed (int), from the group's ``seed`` and its position."""
+from optimizers._sharded import local, nonzero_flags, whole, write_whole_
+from optimizers.bases import (
+    BASIS,
+    COMPUTED_BASIS,
+    REFRESH,
+    SEED,
+    BasisPolicy,
+    ComputedBasis,
+    ProjectedStep,
+    SeededRandomBasis,
+    refresh_due,
+)
 
 Direction = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 """D, a full-size tensor, or a factor pair (A, B) standing for D = A B."""
 
 
-# ---------------------------------------------------------------------- the Adam kernel
-
-_FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-_HAS_FUSED_ADAM = hasattr(torch, "_fused_adam_")  # torch.optim.Adam(fused=True)'s kernel
-
-
-def fusable(m: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether torch's fused Adam kernel can advance these moments: plain (not DTensor or other
-    subclass), contiguous tensors of one float dtype and shape on one CPU or CUDA device."""
-    return (
-        _HAS_FUSED_ADAM
-        and type(m) is type(v) is type(x) is torch.Tensor
-        and m.dtype == v.dtype == x.dtype in _FUSED_DTYPES
-        and x.device.type in ("cpu", "cuda")  # the kernel itself refuses tensors on two devices
-        and m.shape == x.shape
-        and x.is_contiguous()  # the kernel reads memory in order: it needs contiguous tensors
-        and m.is_contiguous()
-        and v.is_contiguous()
-    )
-
-
-def adam_update(
-    m: torch.Tensor,
-    v: torch.Tensor,
-    x: torch.Tensor,
-    t: int,
-    group: dict[str, Any],
-    fused: bool | None = None,
-) -> tuple[torch.Tensor, float]:
-    """One Adam step of the moments: updates M, V in place with x at step t; returns (N, eta_t).
-
-    M <- beta1 M + (1 - beta1) x;  V <- beta2 V + (1 - beta2) x^2;  then, per the group's
-    ``adam_convention``,
-    reference: N = M / (sqrt(V) + eps), eta_t = eta sqrt(1 - beta2^t) / (1 - beta1^t);
-    torch:     N = M / (sqrt(V / (1 - beta2^t)) + eps), eta_t = eta / (1 - beta1^t).
-    (Without bias correction both factors are 1.)
-
-    The fast path is torch's fused Adam kernel (`_fused_normalised`), one pass instead of seven
-    element-wise ones; it needs bias correction and `fusable` tensors. The op-by-op path
-    (`_unfused_normalised`) computes the same quantities; the two differ by fp32 rounding only.
-
-    Args:
-        m: M, updated in place.
-        v: V, updated in place.
-        x: R (projected) or G (dense), shaped like M.
-        t: the step count after this step (>= 1).
-        group: the param group (``betas``, ``eps``, ``lr``, ``correct_bias``, ``adam_convention``).
-        fused: None takes the fused path wherever it applies; True requires it (ValueError where
-            it cannot run); False takes the op-by-op path.
-    """
-    beta1, beta2 = group["betas"]
-    bc1 = 1.0 - beta1**t if group["correct_bias"] else 1.0
-    bc2 = 1.0 - beta2**t if group["correct_bias"] else 1.0
-    can_fuse = group["correct_bias"] and fusable(m, v, x)
-    if fused and not can_fuse:
-        raise ValueError(
-            "fused Adam needs bias correction and plain contiguous CPU/CUDA tensors of one float "
-            f"dtype (got {type(x).__name__} {x.dtype} on {x.device}, correct_bias={group['correct_bias']})"
-        )
-    if can_fuse if fused is None else fused:
-        return _fused_normalised(m, v, x, t, group, bc1, bc2)
-    return _unfused_normalised(m, v, x, group, bc1, bc2)
-
-
-def _unfused_normalised(
-    m: torch.Tensor, v: torch.Tensor, x: torch.Tensor, group: dict[str, Any], bc1: float, bc2: float
-) -> tuple[torch.Tensor, float]:
-    """`adam_update` op by op (any tensors, DTensor shards included); N is written over the
-    buffer of sqrt(V), so only one temporary is allocated."""
-    beta1, beta2 = group["betas"]
-    m.mul_(beta1).add_(x, alpha=1.0 - beta1)
-    v.mul_(beta2).addcmul_(x, x, value=1.0 - beta2)
-    denom = v.sqrt()
-    if group["adam_convention"] == "torch":
-        denom.div_(math.sqrt(bc2)).add_(group["eps"])
-        step_size = group["lr"] / bc1
-    else:
-        denom.add_(group["eps"])
-        step_size = group["lr"] * math.sqrt(bc2) / bc1
-    return torch.div(m, denom, out=denom), step_size
-
-
-def _fused_normalised(
-    m: torch.Tensor, v: torch.Tensor, x: torch.Tensor, t: int, group: dict[str, Any], bc1: float, bc2: float
-) -> tuple[torch.Tensor, float]:
-    """`adam_update` (bias-corrected) in one pass of torch's fused Adam kernel.
-
-    The kernel updates M and V as Adam does and then a "parameter" P by
-    P <- P - (lr / bc1) M / (sqrt(V) / sqrt(bc2) + eps'). Starting from P = 0 with
-    lr = -bc1 / sqrt(bc2) and eps' = eps / sqrt(bc2) leaves P = M / (sqrt(V) + eps) (the
-    reference convention's N); lr = -bc1 and eps' = eps leave the torch convention's N. Three
-    dispatches (zeros, the step count, the kernel) instead of seven element-wise passes; this
-    matters for small low-rank moments, whose step is dominated by per-operation overhead.
-    """
-    beta1, beta2 = group["betas"]
-    norm = torch.zeros_like(m)
-    steps = torch.full((), float(t), dtype=torch.float32, device=m.device)
-    if group["adam_convention"] == "torch":
-        lr, eps, step_size = -bc1, group["eps"], group["lr"] / bc1
-    else:
-        root = math.sqrt(bc2)
-        lr, eps, step_size = -bc1 / root, group["eps"] / root, group["lr"] * root / bc1
-    torch._fused_adam_(
-        [norm], [x], [m], [v], [], [steps],
-        lr=lr, beta1=beta1, beta2=beta2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
-    )  # fmt: skip
-    return norm, step_size
-
-
-def _decay(p: torch.Tensor, group: dict[str, Any], before: bool) -> None:
-    """W <- W (1 - eta lambda) if this is the convention's moment for it (torch: before the update)."""
-    lr, wd = group["lr"], group["weight_decay"]
-    if group["adam_convention"] == "torch":
-        if before and wd != 0.0:
-            p.mul_(1.0 - lr * wd)
-    elif not before and wd > 0.0:
-        p.add_(p, alpha=-lr * wd)  # galore-torch's exact operation
-
-
-def _check_adam(g: dict[str, Any]) -> None:
-    if g["lr"] < 0.0:
-        raise ValueError(f"Invalid learning rate: {g['lr']} - should be >= 0.0")
-    b1, b2 = g["betas"]
-    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-        raise ValueError(f"Invalid betas {g['betas']}: each must be in [0.0, 1.0)")
-    if g["eps"] < 0.0:
-        raise ValueError(f"Invalid epsilon value: {g['eps']} - should be >= 0.0")
-    if g["adam_convention"] not in ADAM_CONVENTIONS:
-        raise ValueError(f"adam_convention must be one of {ADAM_CONVENTIONS}, got {g['adam_convention']!r}")
-
-
-# ---------------------------------------------------------------------- moment storage
-
-
-class AdamMoments:
-    """Moment storage: where a parameter's M and V live and how one Adam step advances them.
-
-    This one keeps ``exp_avg`` and ``exp_avg_sq`` in the parameter dtype (2 s L bytes for L
-    entries each, s the itemsize) and advances them with `adam_update`. A method with another
-    storage (GaLore-8bit's quantised blocks) subclasses it and names its class in
-    `ProjectedAdam.MOMENTS`.
-
-    Args:
-        fused: `adam_update`'s ``fused`` (None: the fused kernel wherever it applies).
-    """
-
-    ELEMENTWISE: ClassVar[bool] = True
-    """Under FSDP2, non-projected weights step shard by shard (element-wise moments). Storage
-    whose moments are not element-wise sets False: such weights then step on the whole tensor."""
-
-    def __init__(self, fused: bool | None = None) -> None:
-        self.fused = fused
-
-    def init(
-        self, state: dict[str, Any], p: torch.Tensor, shape: tuple[int, ...] | None, group: dict[str, Any]
-    ) -> None:
-        """Allocates zero M and V of `shape`, or, for None, shaped like `p` itself (an FSDP2 shard
-        stays a shard)."""
-        for key in (EXP_AVG, EXP_AVG_SQ):
-            if shape is None:
-                state[key] = torch.zeros_like(p)
-            else:
-                state[key] = torch.zeros(shape, dtype=p.dtype, device=p.device)
-
-    def update(
-        self, state: dict[str, Any], x: torch.Tensor, group: dict[str, Any]
-    ) -> tuple[torch.Tensor, float]:
-        """Advances M and V with x at step ``state[STEP]`` (already counted); returns (N, eta_t).
-        FSDP2-sharded (DTensor) moments advance as their local shards."""
-        return adam_update(
-            local(state[EXP_AVG]), local(state[EXP_AVG_SQ]), local(x), state[STEP], group, self.fused
-        )
-
-    @classmethod
-    def nbytes(cls, numel: int, dtype: torch.dtype, group: dict[str, Any]) -> int:
-        """Bytes of M and V holding `numel` entries each: 2 numel s (s = itemsize)."""
-        return 2 * numel * dtype.itemsize
-
-
-# ---------------------------------------------------------------------- basis policies
-
-
-def refresh_due(state: dict[str, Any], group: dict[str, Any]) -> bool:
-    """Whether this step starts with a new basis: none yet, or t % T == 0 on the pre-increment t."""
-    return state[REFRESH] == 0 or state[STEP] % int(group["update_proj_gap"]) == 0
-
-
-class BasisPolicy(Protocol):
-    """When and how a projected parameter's basis P changes (`ComputedBasis`, `SeededRandomBasis`)."""
-
-    def init_state(
-        self, state: dict[str, Any], p: torch.Tensor, group: dict[str, Any], side: str, index: int
-    ) -> None:
-        """Sets the policy's state keys (``refresh``, ``seed``, ...) for the param at `index`."""
-
-    def basis(
-        self,
-        p: torch.Tensor,
-        grad: torch.Tensor,
-        state: dict[str, Any],
-        group: dict[str, Any],
-        side: str,
-        stats: proj.RefreshStats,
-    ) -> torch.Tensor | None:
-        """P for this step (refreshed first when due), or None to skip the param this step."""
-
-    def nbytes(self, shape: tuple[int, ...], group: dict[str, Any], side: str, dtype: torch.dtype) -> int:
-        """Bytes of the policy's state tensors."""
-
-
-class ComputedBasis:
-    """Basis policy of the SVD family and the identity: P is recomputed from G when due and stored.
-
-    State: ``basis`` (P, parameter dtype; s prod(basis_shape) bytes), ``refresh`` (k), ``seed``
-    (mix_seed(group seed, parameter index): randomized_svd's sketch k is drawn from
-    mix_seed(seed, k) and warm-started from the previous P).
-    """
-
-    def init_state(
-        self, state: dict[str, Any], p: torch.Tensor, group: dict[str, Any], side: str, index: int
-    ) -> None:
-        state[REFRESH] = 0
-        state[SEED] = proj.mix_seed(int(group["seed"]), index)
-        # Allocated now (zeros) so a dummy step materialises every key with its final shape.
-        bshape = proj.basis_shape(tuple(p.shape), group["rank"], side, group["basis"])
-        state[BASIS] = torch.zeros(bshape, dtype=p.dtype, device=p.device)
-
-    def basis(
-        self,
-        p: torch.Tensor,
-        grad: torch.Tensor,
-        state: dict[str, Any],
-        group: dict[str, Any],
-        side: str,
-        stats: proj.RefreshStats,
-    ) -> torch.Tensor | None:
-        """P for this step (parameter dtype), recomputed first when due (counted in `stats`).
-
-        Returns None only when no basis exists yet and computing the first one failed; the caller
-        then skips the parameter without advancing its counter, so the next step retries.
-        """
-        if not refresh_due(state, group):
-            return state[BASIS]  # most steps: nothing else to do
-        prev = state[BASIS] if state[REFRESH] > 0 else None
-        failed = stats.failed
-        new = proj.compute_basis(
-            grad,
-            group["rank"],
-            side,
-            group["basis"],
-            prev,
-            seed=state[SEED],
-            refresh=state[REFRESH] + 1,
-            oversample=group["oversample"],
-            power_iters=group["power_iters"],
-            warm_start=group["warm_start"],
-            stats=stats,
-        )
-        if stats.failed > failed:
-            return prev
-        state[BASIS].copy_(new)
-        state[REFRESH] += 1
-        return state[BASIS]
-
-    def nbytes(self, shape: tuple[int, ...], group: dict[str, Any], side: str, dtype: torch.dtype) -> int:
-        """s prod(basis_shape): k n (right), m k (left) or k (m + n) (full) entries."""
-        return math.prod(proj.basis_shape(shape, int(group["rank"]), side, group["basis"])) * dtype.itemsize
-
-
-class SeededRandomBasis:
-    """Basis policy of ``basis="random"`` (APOLLO, Zhu et al. 2024): a Gaussian P with N(0, 1/r)
-    entries, regenerated every step from integers and never stored (0 bytes).
-
-    On a due refresh the stream moves to its next basis (`advance`) and k is counted; every step
-    then draws P with `projection.gaussian_basis` from `generator_seed`. This stream ("mix"):
-    the parameter's seed is mix_seed(group seed, index) and basis k is drawn from
-    mix_seed(seed, k) (`projection.random_basis`), independent of how many came before. Other
-    streams (apollo-torch's seed chain) override `param_seed`, `advance` and `generator_seed`.
-    """
-
-    def param_seed(self, group: dict[str, Any], index: int) -> int:
-        """Seed of the parameter at position `index` (over all groups)."""
-        return proj.mix_seed(int(group["seed"]), index)
-
-    def advance(self, state: dict[str, Any]) -> None:
-        """Moves the stream to its next basis, before ``refresh`` counts it (nothing to do here)."""
-
-    def generator_seed(self, state: dict[str, Any]) -> int:
-        """Seed of the generator that draws the current basis."""
-        return proj.mix_seed(state[SEED], state[REFRESH])
-
-    def init_state(
-        self, state: dict[str, Any], p: torch.Tensor, group: dict[str, Any], side: str, index: int
-    ) -> None:
-        state[REFRESH] = 0
-        state[SEED] = self.param_seed(group, index)
-
-    def basis(
-        self,
-        p: torch.Tensor,
-        grad: torch.Tensor,
-        state: dict[str, Any],
-        group: dict[str, Any],
-        side: str,
-        stats: proj.RefreshStats,
-    ) -> torch.Tensor:
-        """P for this step (parameter dtype); a due refresh only moves to the next one."""
-        due = refresh_due(state, group)
-        t0 = time.perf_counter()
-        if due:
-            self.advance(state)
-            state[REFRESH] += 1
-            stats.count += 1
-        seed = self.generator_seed(state)
-        basis = proj.gaussian_basis(tuple(p.shape), int(group["rank"]), side, seed, device=p.device).to(
-            p.dtype
-        )
-        if due:
-            stats.seconds += time.perf_counter() - t0
-        return basis
-
-    def nbytes(self, shape: tuple[int, ...], group: dict[str, Any], side: str, dtype: torch.dtype) -> int:
-        return 0
-
-
-COMPUTED_BASIS = ComputedBasis()
-
-
-@dataclass(slots=True)
-class ProjectedStep:
-    """What `ProjectedAdam._projected_update` gets for one projected m x n parameter and step.
-
-    Attributes:
-        p: the weight W.
-        grad: G.
-        low: R = proj(G).
-        norm: N, the Adam-normalised R (see `adam_update`).
-        basis: P (parameter dtype).
-        side: "right", "left" or "full" (see `projection.choose_side`).
-        state: the parameter's state (``state[STEP]`` is t, already counted).
-        group: its param group.
-    """
-
-    p: torch.Tensor
-    grad: torch.Tensor
-    low: torch.Tensor
-    norm: torch.Tensor
-    basis: torch.Tensor
-    side: str
-    state: dict[str, Any]
-    group: dict[str, Any]
-
-    def back(self, x: torch.Tensor) -> torch.Tensor:
-        """back(x) = x P (right), P x (left) or P_L x P_R (full): from R's space to G's."""
-        return proj.project_back(x, self.basis, self.side, m=self.p.shape[0])
-
-
 # ---------------------------------------------------------------------- the optimizer
-
-
-def _sample(g: torch.Tensor, size: int = 256) -> torch.Tensor:
-    """About `size` entries of `g` spread over it (a strided view); `g` itself when it is small
-    or not contiguous (a full pass then costs about as much as taking a sample)."""
-    n = g.numel()
-    if n <= 16 * size or not g.is_contiguous():
-        return g
-    return g.as_strided((size,), (n // size,))  # one dispatch (a view plus a slice is two)
-
-
-def _nonzero_flags(grads: list[torch.Tensor]) -> list[bool]:
-    """[G != 0 anywhere, for G in grads] with one host synchronisation per device (two when
-    some large gradient's sample is all zero, as in a checkpoint loader's dummy step).
-
-    Uses ||G||_2 != 0 (a fused multi-tensor norm, several times faster than an inf-norm or
-    any() on CPU), first on a strided sample of each large G; inf/nan count as nonzero. A
-    gradient whose every entry is below ~1e-19 (squares underflow in fp32) also reads as
-    zero, which is harmless.
-    """
-    flags: list[bool] = [True] * len(grads)
-    sharded = [g for g in grads if _is_dtensor(g)]
-    if sharded:
-        # FSDP2: a shard may be zero where the whole gradient is not; decide on the whole one,
-        # identically on every rank (the projected step has collectives).
-        import torch.distributed as dist
-
-        norms = torch.stack([n.float() for n in torch._foreach_norm([local(g) for g in grads], ord=2)])
-        nonzero = norms.ne(0).float()
-        dist.all_reduce(nonzero, op=dist.ReduceOp.MAX, group=sharded[0].device_mesh.get_group())
-        return [bool(v) for v in nonzero.tolist()]
-    by_device: dict[torch.device, list[int]] = {}
-    for i, g in enumerate(grads):
-        by_device.setdefault(g.device, []).append(i)
-    for idx in by_device.values():
-        # A strided sample of ~256 entries proves "nonzero" for almost every real gradient of
-        # a large matrix at a fraction of a full pass; only a gradient whose sample is all zero
-        # gets a full norm. Both answers are exact: a nonzero sample entry is a nonzero entry.
-        views = [_sample(grads[i]) for i in idx]
-        if len(views) == 1:  # one norm: no list of results to stack
-            norms = [float(torch.linalg.vector_norm(views[0], dtype=torch.float32))]
-        else:
-            norms = torch.stack(torch._foreach_norm(views, ord=2, dtype=torch.float32)).tolist()
-        unsure = []
-        for i, view, norm in zip(idx, views, norms):
-            flags[i] = norm != 0.0  # nan (an inf/nan entry) counts as nonzero
-            if not flags[i] and view is not grads[i]:
-                unsure.append(i)
-        if unsure:
-            norms = torch.stack(
-                torch._foreach_norm([grads[i] for i in unsure], ord=2, dtype=torch.float32)
-            ).tolist()
-            for i, norm in zip(unsure, norms):
-                flags[i] = norm != 0.0
-    return flags
 
 
 class ProjectedAdam(OwnerPlaced, torch.optim.Optimizer):
@@ -847,7 +439,7 @@ class ProjectedAdam(OwnerPlaced, torch.optim.Optimizer):
                 index += 1
         if not entries:
             return loss
-        live = _nonzero_flags([p.grad for _, p, _ in entries])
+        live = nonzero_flags([p.grad for _, p, _ in entries])
         owned: list[tuple[dict[str, Any], torch.Tensor, int]] = []
         for (group, p, idx), nonzero in zip(entries, live):
             whole_step = _is_dtensor(p) and (group["project"] or not self.moments.ELEMENTWISE)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from effpretrain.checkpoint import commit, files
+from effpretrain.checkpoint import commit, files, weights
 from effpretrain.checkpoint.sharded import dcp_error, load_sharded, save_sharded
 from effpretrain.errors import ConfigError
 
@@ -60,7 +60,7 @@ class WholeFormat:
         )
 
     def read(self, path: Path, state: dict[str, Any], model: Any, opt: Any) -> None:
-        files.load_model_weights(self.launch.unwrap(model), state["model"], path)
+        weights.load_model_weights(self.launch.unwrap(model), state["model"], path)
         try:
             opt.load_state_dict(state["optimizer"])
         except (ValueError, KeyError, RuntimeError) as e:

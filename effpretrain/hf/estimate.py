@@ -1,0 +1,156 @@
+"""`estimate_memory`: the estimator for a model handed to the Trainer."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+import optimizers
+from effpretrain import memory
+from effpretrain.config import (
+    OptimConfig,
+)
+from effpretrain.hf.factory import factor_config
+from effpretrain.hf.registry import _config_of, _engine_of, _method_of
+from effpretrain.models.llama import PRESETS
+from optimizers.momentum_reset import unwrap_optimizer
+
+log = logging.getLogger(__name__)
+
+
+# Memory
+
+
+def _preset_of(model: torch.nn.Module) -> str | None:
+    """The preset whose LlamaForCausalLM shapes `model` has (any vocabulary size), if one does."""
+    c = getattr(model, "config", None)
+    if getattr(c, "model_type", None) != "llama":
+        return None
+    if c.tie_word_embeddings or getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
+        return None
+    if getattr(c, "num_key_value_heads", c.num_attention_heads) != c.num_attention_heads:
+        return None
+    shape = (c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_hidden_layers)
+    return next(
+        (n for n, p in PRESETS.items() if (p.hidden, p.intermediate, p.heads, p.layers) == shape), None
+    )
+
+
+def _dtype_name(model: torch.nn.Module, bf16_autocast: bool) -> str | None:
+    dtype = next(model.parameters()).dtype
+    if dtype == torch.bfloat16:
+        return "bf16-pure"
+    if dtype == torch.float32:
+        return "bf16-mixed" if bf16_autocast else "fp32"
+    return None
+
+
+def _optim_config_from_groups(method: str, optimizer: torch.optim.Optimizer | None) -> OptimConfig:
+    # Without a RunConfig, the projection settings are read back from a projected group.
+    o = OptimConfig(name=method)
+    groups = unwrap_optimizer(optimizer).param_groups if optimizer is not None else []
+    g = next((g for g in groups if g.get("project") or g.get("rank") is not None), None)
+    if g is not None:
+        o.rank, o.update_proj_gap = int(g["rank"]), int(g.get("update_proj_gap", o.update_proj_gap))
+        o.scale, o.proj_type = float(g.get("scale", o.scale)), g.get("proj_type", o.proj_type)
+    return o
+
+
+def estimate_memory(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    bf16_autocast: bool = False,
+    batch_size: int = 1,
+    seq_len: int | None = None,
+    activation_checkpointing: int = 0,
+    grad_accum: int = 1,
+    grad_clip: float = 0.0,
+) -> memory.Estimate:
+    """The analytic memory estimate for training `model` with `optimizer`, in bytes (one process).
+
+    When the model is a LLaMA with a preset's shapes (any vocabulary size, fp32 or bf16) this is
+    `effpretrain.memory.estimate`, the same numbers as ``effpretrain estimate`` and a run's
+    summary.json, activations included (when `seq_len` is known). Otherwise weights, gradients and
+    optimizer state are derived from the model's actual parameters and the optimizer's actual
+    param groups with the same per-method formulas (`optimizers.state_bytes`); activations are not
+    estimated (0, ``detail["activations"] == "unknown"``). ``detail["source"]`` says which.
+
+    Args:
+        model: the model (after any factorization).
+        optimizer: its optimizer (possibly wrapped); None or an unregistered class leaves the
+            optimizer state out (0, ``detail["optimizer_state"] == "unknown"``).
+        bf16_autocast: fp32 weights trained under bf16 autocast (TrainingArguments(bf16=True)).
+        batch_size: sequences per process per micro-step.
+        seq_len: tokens per sequence; None leaves activations out.
+        activation_checkpointing: checkpoint every k-th decoder layer (0: off).
+        grad_accum: micro-batches per update (held gradients; in backward: the accumulators).
+        grad_clip: the clipping threshold (in backward, 0 allows GaLore's low-rank accumulators).
+
+    An optimizer from ``create_optimizer(..., update_in_backward=True)`` gets the in-backward
+    gradient terms (preset models; `effpretrain.memory.estimate`).
+    """
+    cfg = _config_of(optimizer)
+    method = _method_of(optimizer)
+    preset, dtype = _preset_of(model), _dtype_name(model, bf16_autocast)
+    if preset is not None and dtype is not None and method is not None:
+        f = factor_config(model)
+        est = memory.estimate(
+            preset,
+            method,
+            dtype=dtype,
+            vocab_size=model.config.vocab_size,
+            optim_cfg=cfg.optim if cfg is not None else _optim_config_from_groups(method, optimizer),
+            factor_kind=f.kind,
+            factor_rank=f.rank,
+            density=f.density,
+            factor_targets=f.targets,
+            batch_size=batch_size,
+            seq_len=seq_len or 1,
+            activation_checkpointing=activation_checkpointing,
+            grad_accum=grad_accum,
+            update_in_backward=_engine_of(optimizer) is not None,
+            grad_clip=grad_clip,
+        )
+        est.detail["source"] = f"preset:{preset}"
+        if seq_len is None:
+            est = dataclasses.replace(est, activations=0, detail={**est.detail, "activations": "unknown"})
+        return est
+
+    params = list(model.parameters())
+    weights = memory.tensor_bytes(params)
+    for module in model.modules():  # persistent buffers such as SLTrain's sparse index are weights too
+        weights += memory.tensor_bytes(
+            b
+            for n, b in module._buffers.items()
+            if b is not None and n not in module._non_persistent_buffers_set
+        )
+    trainable = [p for p in params if p.requires_grad]
+    state, detail = 0, {"source": "parameters", "method": method, "activations": "unknown"}
+    if method is not None and optimizer is not None:
+        for group in unwrap_optimizer(optimizer).param_groups:
+            for p in group["params"]:
+                state += optimizers.state_bytes(method, tuple(p.shape), group, p.dtype)
+    else:
+        detail["optimizer_state"] = "unknown"
+    return memory.Estimate(
+        weights=weights,
+        grads=memory.tensor_bytes(trainable),
+        optimizer_state=state,
+        activations=0,
+        params=sum(p.numel() for p in params),
+        trainable_params=sum(p.numel() for p in trainable),
+        detail=detail,
+    )
+
+
+def _estimate_fields(est: memory.Estimate) -> dict[str, int]:
+    fields = {"est_weights_bytes": est.weights, "est_grads_bytes": est.grads}
+    if est.detail.get("optimizer_state") != "unknown":
+        fields["est_optimizer_state_bytes"] = est.optimizer_state
+    if est.detail.get("activations") != "unknown":
+        fields["est_activations_bytes"] = est.activations
+    fields["est_total_bytes"] = est.total
+    return fields
