@@ -35,16 +35,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _bench import log, provenance
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESET = "llama_20m"
 VOCAB = 32000
 RANK = 64
 GAP = 2  # refreshes at steps 1, 3, ...
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def _groups(name: str, params: list[tuple[str, torch.nn.Parameter]]) -> list[dict[str, Any]]:
@@ -185,8 +182,6 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     import tempfile
-
-    from effpretrain.reporting import provenance
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--methods", nargs="+", default=["galore", "apollo", "adamw_8bit"])

@@ -39,9 +39,8 @@ the numerics compare the CPU with itself) in about a minute; the test suite runs
 path cannot rot while no GPU is at hand. Only CUDA calls (synchronisation, the allocator's
 statistics) are left untaken.
 
-Wheels for the GPU machine, which has no network (bitsandbytes and galore-torch, about 43 MB):
-``make gpu-wheels`` puts them in the ignored folder ``.whl/``; there, ``pip install --no-index
---no-deps --target /tmp/site .whl/*.whl`` and ``PYTHONPATH=/tmp/site:.`` before this command.
+Wheels for a GPU machine without network: ``make gpu-wheels`` (bitsandbytes, galore-torch, about 43
+MB, in the ignored ``.whl/``); there ``pip install --no-index --no-deps --target /tmp/site .whl/*.whl``.
 
 Exit code: 0 when every case that was reached ran (targets and flags are reported, not asserted),
 1 when a case raised, 2 for bad arguments.
@@ -69,12 +68,22 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import gpu_report  # noqa: E402
+from _bench import log, provenance  # noqa: E402
+
 from effpretrain import flops  # noqa: E402
 from effpretrain.config import load_config  # noqa: E402
-from effpretrain.reporting import git_commit  # noqa: E402
 
 RECIPES = ROOT / "recipes"
-SECTIONS = ("numerics", "memory", "speed", "hf")
+# The files and the docs page (gpu_report), named here too: callers and tests read them from the check.
+SECTIONS, RESULTS, README_START, README_END = (
+    gpu_report.SECTIONS,
+    gpu_report.RESULTS,
+    gpu_report.README_START,
+    gpu_report.README_END,
+)
+markdown, write_section = gpu_report.markdown, gpu_report.write_section
+render_results, update_readme = gpu_report.render_results, gpu_report.update_readme
 MEMORY_METHODS = (
     "adamw",
     "galore",
@@ -166,10 +175,6 @@ class Budget:
 
     def allows(self, cost_s: float) -> bool:
         return self.left() >= cost_s
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def sync(device: str) -> None:
@@ -623,101 +628,6 @@ def section_hf(scale: Scale, budget: Budget, scratch: Path) -> list[dict[str, An
 def _keep(into: list[dict[str, Any]], row: dict[str, Any]) -> dict[str, Any]:
     into.append(row)
     return row
-
-
-# ----------------------------------------------------------------------------------------------
-# Files: JSON rows and a markdown table per section, with their provenance
-
-
-def provenance(device: str) -> dict[str, Any]:
-    import datetime as dt
-
-    from effpretrain.reporting import device_name
-
-    return {
-        "commit": git_commit(),
-        "device": device_name(torch.device(device)),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
-def _cell(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, float):
-        return f"{v:.3g}"
-    if isinstance(v, dict):
-        return ", ".join(f"{k} {_cell(x)}" for k, x in v.items())
-    if isinstance(v, list):
-        return ", ".join(map(str, v)) or "-"
-    return str(v)
-
-
-def _table(rows: list[dict[str, Any]]) -> list[str]:
-    cols: list[str] = []
-    for r in rows:
-        cols += [k for k in r if k not in cols and k not in ("measured", "estimated")]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    return lines + ["| " + " | ".join(_cell(r.get(c)) for c in cols) + " |" for r in rows]
-
-
-def markdown(section: str, prov: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    """The section's rows as tables (one per run of rows of the same kind: cases, then ratios)."""
-    head = f"### {section}\n\n{prov['device']}; commit {prov['commit']}; torch {prov['torch']}, CUDA {prov['cuda']}\n"
-    groups: list[list[dict[str, Any]]] = []
-    for r in rows:
-        kind = r["case"].split(" ")[0] == "ratios"
-        if not groups or (groups[-1][0]["case"].split(" ")[0] == "ratios") != kind:
-            groups.append([])
-        groups[-1].append(r)
-    return head + "".join("\n" + "\n".join(_table(g)) + "\n" for g in groups)
-
-
-def write_section(out: Path, section: str, prov: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{section}.json").write_text(json.dumps({**prov, "section": section, "rows": rows}, indent=2))
-    (out / f"{section}.md").write_text(markdown(section, prov, rows))
-
-
-README_START, README_END = "<!-- gpu-check:start", "<!-- gpu-check:end -->"
-RESULTS = ROOT / "benchmarks" / "results" / "gpu-check"
-
-
-def render_results(results: Path = RESULTS) -> str:
-    """The docs' "On a GPU" results (docs/gpu.md): every section's tables, rendered again from its committed
-    JSON (never typed), or a line saying that no GPU run is committed yet."""
-    parts = []
-    for section in SECTIONS:
-        path = results / f"{section}.json"
-        if path.is_file():
-            saved = json.loads(path.read_text())
-            prov = {k: saved.get(k) for k in ("commit", "device", "torch", "cuda")}
-            parts.append(markdown(section, prov, saved["rows"]).replace("### ", "#### ", 1))
-    if not parts:
-        return "No GPU run is committed yet: `benchmarks/results/gpu-check/` is empty.\n"
-    return "\n".join(parts)
-
-
-def update_readme(readme: Path = ROOT / "docs" / "gpu.md", results: Path = RESULTS) -> bool:
-    """Replaces the text between the gpu-check markers of the docs' "On a GPU" page with
-    `render_results`; returns whether the file changed. A missing marker is bad input (nothing is
-    written)."""
-    text = readme.read_text()
-    start = text.find(README_START)
-    end = text.find(README_END, start + 1) if start >= 0 else -1
-    if start < 0 or end < 0:
-        raise SystemExit(
-            f"gpu_check: error: {readme} lacks the markers '{README_START} -->' and '{README_END}'"
-        )
-    body = text.index("\n", start) + 1
-    new = text[:body] + render_results(results) + text[end:]
-    if new != text:
-        readme.write_text(new)
-    return new != text
 
 
 def run_section(section: str, scale: Scale, budget: Budget, scratch: Path) -> list[dict[str, Any]]:

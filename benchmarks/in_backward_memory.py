@@ -37,19 +37,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from _bench import log, provenance
 
 import optimizers
 from effpretrain import memory
 from effpretrain.config import load_config
 from effpretrain.memory.measure import measure_run
 from effpretrain.models.llama import PRESETS
-from effpretrain.reporting import provenance
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS_RUN = ("llama_20m", "llama_60m")
@@ -58,10 +57,6 @@ KS = (1, 4)
 VOCAB = 32000
 BATCH, SEQ = 1, 64
 FALL = 0.8  # the share of the gradient saving the peak must fall by (acceptance 2)
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def overrides(preset: str, method: str, k: int, in_backward: bool) -> list[str]:

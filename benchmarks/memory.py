@@ -37,12 +37,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _bench import log, provenance
 
 from effpretrain import loss as loss_mod
 from effpretrain import memory
 from effpretrain.config import load_config
 from effpretrain.memory.measure import measure_run
-from effpretrain.reporting import provenance
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = sorted((ROOT / "recipes" / "tiny").glob("*.yaml"))
@@ -53,10 +53,6 @@ CATEGORIES = EXACT + APPROX
 TOLERANCE = 0.10
 # Overrides of every grid run: fp32 on CPU, and no shuffle pool (the measured steps draw no data).
 BASE_OVERRIDES = ("train.precision=fp32", "data.shuffle_buffer=0")
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def grid(recipes: list[str] | None = None) -> list[tuple[str, str]]:

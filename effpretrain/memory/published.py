@@ -30,7 +30,7 @@ from effpretrain.models.llama import PRESETS
 from optimizers import projection
 
 #: The paper-scale recipes (a source checkout's recipes/ folder).
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 #: The four paper sizes, each a preset and a recipes/ folder.
 PAPER_PRESETS = ("llama_60m", "llama_130m", "llama_350m", "llama_1b")
 
