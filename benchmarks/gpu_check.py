@@ -31,8 +31,7 @@ Data is the built-in corpus and synthetic token ids only: nothing is downloaded,
 never imported. A section whose package is missing (bitsandbytes for the 8-bit methods,
 galore-torch for ``hf``) is reported as skipped, with the package, and the rest still runs.
 
-``--budget-s``: before each case, the time left is checked against the case's expected cost; the
-cases not reached are listed as such, and the files are written, so a long check ends cleanly.
+``--budget-s``: a case starts only with time left for it; the cases not reached are listed.
 
 ``--smoke`` runs every section's functions at tiny scale on the CPU (the "device" is the CPU, so
 the numerics compare the CPU with itself) in about a minute; the test suite runs it, so the GPU
@@ -42,8 +41,8 @@ statistics) are left untaken.
 Wheels for a GPU machine without network: ``make gpu-wheels`` (bitsandbytes, galore-torch, about 43
 MB, in the ignored ``.whl/``); there ``pip install --no-index --no-deps --target /tmp/site .whl/*.whl``.
 
-Exit code: 0 when every case that was reached ran (targets and flags are reported, not asserted),
-1 when a case raised, 2 for bad arguments.
+Exit code: 0 when every reached case ran (targets and flags reported, not asserted); 1 when one raised;
+2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -67,7 +66,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
 import gpu_report  # noqa: E402
 from _bench import log, provenance  # noqa: E402
 
@@ -75,13 +73,8 @@ from effpretrain import flops  # noqa: E402
 from effpretrain.config import load_config  # noqa: E402
 
 RECIPES = ROOT / "recipes"
-# The files and the docs page (gpu_report), named here too: callers and tests read them from the check.
-SECTIONS, RESULTS, README_START, README_END = (
-    gpu_report.SECTIONS,
-    gpu_report.RESULTS,
-    gpu_report.README_START,
-    gpu_report.README_END,
-)
+SECTIONS, RESULTS = gpu_report.SECTIONS, gpu_report.RESULTS  # the files and docs page, read here too
+README_START, README_END = gpu_report.README_START, gpu_report.README_END
 markdown, write_section = gpu_report.markdown, gpu_report.write_section
 render_results, update_readme = gpu_report.render_results, gpu_report.update_readme
 MEMORY_METHODS = (
