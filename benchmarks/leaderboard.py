@@ -716,7 +716,10 @@ def cpu_description() -> str:
 
 
 def _vocab_size(summary: dict[str, Any], cfg: Any) -> int:
-    """The trained vocabulary, from the parameter count: only embedding and head depend on it."""
+    """The trained vocabulary: summary.json's ``vocab_size``; for a run from before it was
+    recorded, from the parameter count (only embedding and head depend on it)."""
+    if "vocab_size" in summary:
+        return int(summary["vocab_size"])
     from effpretrain.memory import estimate
     from effpretrain.models.llama import PRESETS
 

@@ -211,25 +211,31 @@ def build_summary(
             ``optimizer_state_bytes`` is this rank's; the estimate is compared rank by rank.
         compile_s: seconds this process spent compiling for the run (`train.compile`).
     """
-    import transformers
-
     model = acc.unwrap_model(model)
-    weight_bytes = sum(_local(v).numel() * v.element_size() for v in model.state_dict().values())
-    est = memory.estimate_from_config(cfg, vocab_size, acc.num_processes, sharding)
-    measured_state = optimizers.measured_state_bytes(opt)
-    # A run with a warm start ends in its factorized phase (unless it never left the warm start).
-    phase = est.detail.get("phases", {}).get("warm_start" if warming_up(model) else "factorized")
-    est_state = phase["optimizer_state"] if phase else est.optimizer_state
-    state_ranks = state_ranks or [measured_state]
-    est_ranks = est.detail.get("optimizer_state_per_rank") if phase is None else None
-    if est_ranks is None or len(est_ranks) != len(state_ranks):  # unsharded: every rank holds all
-        est_ranks = [est_state] * len(state_ranks)
     tokens_per_s = clock.tokens_per_s(progress.tokens)
+    return {
+        **_result_fields(cfg, model, progress, val, vocab_size),
+        "tokens_per_s": tokens_per_s,
+        **speed_figures(cfg, acc, vocab_size, tokens_per_s, compile_s),
+        "wall_s": time.time() - clock.start_wall,
+        **_memory_fields(cfg, acc, model, opt, vocab_size, sharding, state_ranks, memory_records),
+        "grad_bytes": grad_bytes,
+        "grad_bytes_source": grad_bytes_source,
+        **_provenance_fields(cfg, acc, sharding),
+        **(opt_telemetry(opt) if telemetry is None else telemetry),
+    }
+
+
+def _result_fields(
+    cfg: RunConfig, model: torch.nn.Module, progress: Any, val: EvalResult, vocab: int
+) -> dict:
+    """What the run was and what it reached: method, model, sizes, steps, the final evaluation."""
     return {
         "method": cfg.method,
         "optimizer": cfg.optim.name,
         "factor": cfg.factor.kind,
         "model": cfg.model.preset,
+        "vocab_size": vocab,
         "params": sum(q.numel() for q in model.parameters()),
         "trainable_params": sum(q.numel() for q in model.parameters() if q.requires_grad),
         "steps": progress.step,
@@ -241,14 +247,35 @@ def build_summary(
         "val_tokens": val.tokens,
         "val_sequences": val.sequences,
         "val_batches": val.batches,
-        "tokens_per_s": tokens_per_s,
-        **speed_figures(cfg, acc, vocab_size, tokens_per_s, compile_s),
-        "wall_s": time.time() - clock.start_wall,
+    }
+
+
+def _memory_fields(
+    cfg: RunConfig,
+    acc: Any,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    vocab_size: int,
+    sharding: str,
+    state_ranks: list[int] | None,
+    memory_records: list[list[dict[str, Any]]] | None,
+) -> dict[str, Any]:
+    """Measured memory beside the estimate: the process peak, weights and optimizer state (every
+    rank's, compared rank by rank), the measured steps by category, and the estimate."""
+    weight_bytes = sum(_local(v).numel() * v.element_size() for v in model.state_dict().values())
+    est = memory.estimate_from_config(cfg, vocab_size, acc.num_processes, sharding)
+    measured_state = optimizers.measured_state_bytes(opt)
+    # A run with a warm start ends in its factorized phase (unless it never left the warm start).
+    phase = est.detail.get("phases", {}).get("warm_start" if warming_up(model) else "factorized")
+    est_state = phase["optimizer_state"] if phase else est.optimizer_state
+    state_ranks = state_ranks or [measured_state]
+    est_ranks = est.detail.get("optimizer_state_per_rank") if phase is None else None
+    if est_ranks is None or len(est_ranks) != len(state_ranks):  # unsharded: every rank holds all
+        est_ranks = [est_state] * len(state_ranks)
+    return {
         "peak_memory_bytes": measure.process_peak_bytes(acc.device),
         "optimizer_state_bytes": measured_state,
         "weight_bytes": weight_bytes,
-        "grad_bytes": grad_bytes,
-        "grad_bytes_source": grad_bytes_source,
         "memory_measured": measured_memory(memory_records or []),
         "estimated": est.as_dict(),
         "optimizer_state_bytes_per_rank": state_ranks,
@@ -257,6 +284,14 @@ def build_summary(
             "weights": est.weights == weight_bytes,
             **_in_backward_gradient_check(est, memory_records),
         },
+    }
+
+
+def _provenance_fields(cfg: RunConfig, acc: Any, sharding: str) -> dict[str, Any]:
+    """Where and how it ran: device, processes, sharding, precision, versions, commit, config hash."""
+    import transformers
+
+    return {
         "device": device_name(acc.device),
         "world_size": acc.num_processes,
         "sharding": sharding,
@@ -265,7 +300,6 @@ def build_summary(
         "transformers": transformers.__version__,
         "git_commit": git_commit(),
         "config_hash": config_hash(cfg),
-        **(opt_telemetry(opt) if telemetry is None else telemetry),
     }
 
 

@@ -457,6 +457,27 @@ def _fail(prev: torch.Tensor | None, stats: RefreshStats | None, why: str) -> to
     return prev
 
 
+def _decompose(
+    g32: torch.Tensor,
+    rank: int,
+    side: str,
+    method: str,
+    sketch: torch.Tensor | None,
+    seed: int,
+    refresh: int,
+    oversample: int,
+    power_iters: int,
+) -> torch.Tensor:
+    """The SVD-based bases of `compute_basis` on a finite fp32 G: the exact thin SVD's, or the
+    randomized one drawn from ``mix_seed(seed, refresh)`` (started from `sketch` when given)."""
+    if method == "svd":
+        return svd_basis(g32, rank, side)
+    gen = torch.Generator(device=g32.device).manual_seed(mix_seed(seed, refresh))
+    return randomized_svd_basis(
+        g32, rank, side, oversample=oversample, power_iters=power_iters, generator=gen, prev=sketch
+    )
+
+
 def compute_basis(
     grad: torch.Tensor,
     rank: int,
@@ -508,19 +529,9 @@ def compute_basis(
             # (a finite gradient whose sum overflows fp32 would need entries near 1e34).
             if not _finite(g32):
                 return _fail(prev, stats, "non-finite gradient")
-            if method == "svd":
-                out = svd_basis(g32, rank, side)
-            else:
-                gen = torch.Generator(device=g32.device).manual_seed(mix_seed(seed, refresh))
-                out = randomized_svd_basis(
-                    g32,
-                    rank,
-                    side,
-                    oversample=oversample,
-                    power_iters=power_iters,
-                    generator=gen,
-                    prev=prev if warm_start else None,
-                )
+            out = _decompose(
+                g32, rank, side, method, prev if warm_start else None, seed, refresh, oversample, power_iters
+            )
             if not _finite(out):
                 return _fail(prev, stats, "decomposition returned non-finite values")
     except RuntimeError as err:  # torch.linalg.LinAlgError is a RuntimeError

@@ -44,6 +44,33 @@ def _compute_dtype(*tensors: Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+def _core_svd(Bf: Tensor, Af: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor, int]:
+    """The rank-k SVD U S Vh of B A from two thin QRs and the small core's SVD (S descending),
+    each component signed so that the result depends on B A only; and the core's size."""
+    Q_B, R_B = torch.linalg.qr(Bf)  # m x r', r' x r (r' = min(m, r))
+    Q_A, R_A = torch.linalg.qr(Af.T)  # n x r'', r'' x r
+    U_c, S, Vh_c = torch.linalg.svd(R_B @ R_A.T, full_matrices=False)  # S descending
+    core = max(U_c.shape)
+    U = (Q_B @ U_c)[:, :k]  # m x k, orthonormal columns
+    Vh = (Vh_c @ Q_A.T)[:k]  # k x n, orthonormal rows
+    # Fix the SVD's per-component sign so the result depends on B A only (idempotence).
+    rows = U.abs().argmax(dim=0)
+    sign = torch.sign(U[rows, torch.arange(k, device=U.device)])
+    sign = torch.where(sign == 0, torch.ones_like(sign), sign)
+    return U * sign, S[:k], Vh * sign[:, None], core
+
+
+def _split_roots(S: Tensor, tol: Tensor) -> tuple[Tensor, Tensor]:
+    """S^1/2 for B's columns and A's rows; a direction below `tol` (torch.linalg.matrix_rank's
+    threshold: round-off) gets a zero column of B and an RMS-scaled row of A, so it can learn."""
+    alive = S > tol
+    root = S.sqrt()
+    if bool(alive.all()):
+        return root, root
+    rms = root[alive].pow(2).mean().sqrt()
+    return torch.where(alive, root, torch.zeros_like(root)), torch.where(alive, root, rms.expand_as(root))
+
+
 def balanced_factors(B: Tensor, A: Tensor, rank: int | None = None) -> tuple[Tensor, Tensor]:
     """Returns the balanced split (U S^1/2, S^1/2 V^T) of B A without forming B A.
 
@@ -93,36 +120,13 @@ def balanced_factors(B: Tensor, A: Tensor, rank: int | None = None) -> tuple[Ten
     Bf = B.detach().to(dtype)
     Af = A.detach().to(dtype)
 
-    Q_B, R_B = torch.linalg.qr(Bf)  # m x r', r' x r (r' = min(m, r))
-    Q_A, R_A = torch.linalg.qr(Af.T)  # n x r'', r'' x r
-    U_c, S, Vh_c = torch.linalg.svd(R_B @ R_A.T, full_matrices=False)  # S descending
-    core = max(U_c.shape)
-    U = (Q_B @ U_c)[:, :k]  # m x k, orthonormal columns
-    Vh = (Vh_c @ Q_A.T)[:k]  # k x n, orthonormal rows
-    S = S[:k]
-
-    # Fix the SVD's per-component sign so the result depends on B A only (idempotence).
-    rows = U.abs().argmax(dim=0)
-    sign = torch.sign(U[rows, torch.arange(k, device=U.device)])
-    sign = torch.where(sign == 0, torch.ones_like(sign), sign)
-    U = U * sign
-    Vh = Vh * sign[:, None]
-
+    U, S, Vh, core = _core_svd(Bf, Af, k)
     s_max = S[0]
     if s_max == 0:
         if k < r:  # a zero product truncated: B zero, A's rows orthonormal (still learnable)
             return torch.zeros_like(U), Vh
         return Bf.clone(), Af.clone()
-    # torch.linalg.matrix_rank's threshold for the core: below it, S is round-off.
-    tol = s_max * core * torch.finfo(dtype).eps
-    alive = S > tol
-    root = S.sqrt()
-    if not bool(alive.all()):
-        rms = root[alive].pow(2).mean().sqrt()
-        root_B = torch.where(alive, root, torch.zeros_like(root))
-        root_A = torch.where(alive, root, rms.expand_as(root))
-    else:
-        root_B = root_A = root
+    root_B, root_A = _split_roots(S, s_max * core * torch.finfo(dtype).eps)
     return U * root_B, root_A[:, None] * Vh
 
 

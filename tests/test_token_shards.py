@@ -18,7 +18,8 @@ from effpretrain import data
 from effpretrain.cli import main
 from effpretrain.config import ConfigError, DataConfig, load_config
 from effpretrain.data import prepare_tokens as token_shards
-from effpretrain.data.prepare_tokens import TokenCorpus, prepare
+from effpretrain.data.prepare_tokens import prepare
+from effpretrain.data.tokens import TokenCorpus
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi pi rho sigma tau".split()
 VAL_EVERY = 5

@@ -24,8 +24,7 @@ from typing import Any
 
 import torch
 
-from effpretrain.checkpoint import commit, files, weights
-from effpretrain.checkpoint.sharded import dcp_error, load_sharded, save_sharded
+from effpretrain.checkpoint import commit, files, sharded, weights
 from effpretrain.errors import ConfigError
 
 log = logging.getLogger("effpretrain")
@@ -84,7 +83,7 @@ class ShardedFormat:
         box = [str(commit.temp_folder(root, step)) if self.launch.is_main else None]
         dist.broadcast_object_list(box, src=0)
         tmp = Path(box[0])
-        trainer_state["optimizer_skeleton"] = save_sharded(tmp / "dcp", model, opt)
+        trainer_state["optimizer_skeleton"] = sharded.save_sharded(tmp / "dcp", model, opt)
         self.launch.barrier()
         if not self.launch.is_main:
             return None
@@ -97,13 +96,15 @@ class ShardedFormat:
 
         # Each rank reads its own shards of the model and of the sharded optimizer state.
         try:
-            load_sharded(path / "dcp", self.launch.unwrap(model), opt, state["trainer"]["optimizer_skeleton"])
+            sharded.load_sharded(
+                path / "dcp", self.launch.unwrap(model), opt, state["trainer"]["optimizer_skeleton"]
+            )
         except ConfigError:
             raise  # already one line naming the checkpoint (the weight loader's check)
         except (ValueError, KeyError, RuntimeError, CheckpointException) as e:
             # (CheckpointException is a BaseException: DCP's wrapper of any rank's read error.)
             raise ConfigError(
-                f"checkpoint {path}: sharded state unreadable or does not match ({dcp_error(e)})"
+                f"checkpoint {path}: sharded state unreadable or does not match ({sharded.dcp_error(e)})"
             ) from None
 
 

@@ -34,12 +34,13 @@ and applies ``max_grad_norm`` with the engine's previous-step-norm rule. DeepSpe
 
 from effpretrain.hf.callback import EffPretrainCallback
 from effpretrain.hf.estimate import estimate_memory
-from effpretrain.hf.factory import build_run_config, create_optimizer, factor_config
+from effpretrain.hf.factory import FactorySettings, build_run_config, create_optimizer, factor_config
 from effpretrain.hf.registry import _find_restarts as _find_restarts  # the tests read it
 from effpretrain.models.factorized import apply_factorization
 
 __all__ = [
     "EffPretrainCallback",
+    "FactorySettings",
     "apply_factorization",
     "build_run_config",
     "create_optimizer",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -61,32 +62,63 @@ def factor_config(model: torch.nn.Module) -> FactorConfig:
     )
 
 
-def build_run_config(
-    model: torch.nn.Module,
-    method: str,
-    *,
-    num_training_steps: int,
-    lr: float,
-    weight_decay: float = 0.0,
-    warmup_ratio: float = 0.1,
-    min_lr_ratio: float = 0.1,
-    schedule: str = "cosine",
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float | None = None,
-    rank: int = 128,
-    update_proj_gap: int = 200,
-    scale: float = 0.25,
-    proj_type: str = "std",
-    basis: str = "default",
-    targets: Sequence[str] | None = None,
-    restarts_every: int = 0,
-    refactorize: bool = True,
-    reset_momentum: bool = True,
-    recovery_steps: int = 10,
-    update_in_backward: bool = False,
-    **method_kwargs: Any,
-) -> RunConfig:
-    """The validated `RunConfig` that `create_optimizer` builds from (arguments as there).
+@dataclass
+class FactorySettings:
+    """`create_optimizer`'s keyword settings; each fills the `effpretrain train` config key named."""
+
+    num_training_steps: int
+    """Optimizer updates in the run, the schedule's length (``train.max_steps``)."""
+    lr: float
+    """Peak learning rate eta (``optim.lr``)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay lambda for matrices (``optim.weight_decay``)."""
+    warmup_ratio: float = 0.1
+    """Fraction of the updates in linear warmup (``train.warmup_ratio``)."""
+    min_lr_ratio: float = 0.1
+    """Final LR as a fraction of `lr` (``train.min_lr_ratio``)."""
+    schedule: str = "cosine"
+    """``cosine``, ``linear`` or ``constant`` after the warmup (``train.schedule``)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam's (beta1, beta2) (``optim.beta1``, ``optim.beta2``)."""
+    eps: float | None = None
+    """Adam's epsilon; None: the method's reference value (``optim.eps``)."""
+    rank: int = 128
+    """Projection rank r of the projection methods (``optim.rank``)."""
+    update_proj_gap: int = 200
+    """Basis refresh period T of the projection methods (``optim.update_proj_gap``)."""
+    scale: float = 0.25
+    """Projected update scale alpha (``optim.scale``)."""
+    proj_type: str = "std"
+    """Projection side, as galore-torch (``optim.proj_type``)."""
+    basis: str = "default"
+    """The method's own basis, or one of `optimizers.projection.METHODS` (``optim.basis``)."""
+    targets: Sequence[str] | None = None
+    """The Linear attributes a projection method projects; None: attention and MLP."""
+    restarts_every: int = 0
+    """T of the benchmark's restarts, 0 none (``restarts.every``): the optimizer is then the
+    `optimizers.Restarts` wrapper."""
+    refactorize: bool = True
+    """Re-split factor pairs at restarts (``restarts.refactorize``)."""
+    reset_momentum: bool = True
+    """Zero Adam's moments and step counters at restarts (``restarts.reset_momentum``)."""
+    recovery_steps: int = 10
+    """Length R of the LR ramp after a restart (``restarts.recovery_steps``)."""
+    update_in_backward: bool = False
+    """Update each parameter inside backward and free its gradient (``train.update_in_backward``;
+    needs `EffPretrainCallback`; one process, no fp16, no DeepSpeed)."""
+    method_kwargs: dict[str, Any] = field(default_factory=dict)
+    """The method's own constructor options (``optim.extra``): every other keyword."""
+
+
+def _settings(kwargs: dict[str, Any]) -> FactorySettings:
+    """The keywords as `FactorySettings`; a keyword that is not a setting goes to the method."""
+    names = {f.name for f in fields(FactorySettings)} - {"method_kwargs"}
+    known = {k: v for k, v in kwargs.items() if k in names}
+    return FactorySettings(**known, method_kwargs={k: v for k, v in kwargs.items() if k not in names})
+
+
+def build_run_config(model: torch.nn.Module, method: str, **settings: Any) -> RunConfig:
+    """The validated `RunConfig` that `create_optimizer` builds from (settings as there).
 
     The factorization section is read from the model (`factor_config`), so the trainer's rules
     that depend on it (ReLoRA merges, which pairs are refactorized) apply unchanged.
@@ -95,147 +127,72 @@ def build_run_config(
         effpretrain.errors.ConfigError (a ValueError): a value out of range or an unknown method,
             naming the config key and the choices.
     """
+    s = _settings(settings)
     cfg = RunConfig(
         method=method,
         factor=factor_config(model),
         optim=OptimConfig(
             name=method,
-            lr=float(lr),
-            weight_decay=float(weight_decay),
-            beta1=float(betas[0]),
-            beta2=float(betas[1]),
-            eps=None if eps is None else float(eps),
-            rank=int(rank),
-            update_proj_gap=int(update_proj_gap),
-            scale=float(scale),
-            proj_type=proj_type,
-            basis=basis,
-            targets=list(ATTN_MLP_TARGETS if targets is None else targets),
-            extra=dict(method_kwargs),
+            lr=float(s.lr),
+            weight_decay=float(s.weight_decay),
+            beta1=float(s.betas[0]),
+            beta2=float(s.betas[1]),
+            eps=None if s.eps is None else float(s.eps),
+            rank=int(s.rank),
+            update_proj_gap=int(s.update_proj_gap),
+            scale=float(s.scale),
+            proj_type=s.proj_type,
+            basis=s.basis,
+            targets=list(ATTN_MLP_TARGETS if s.targets is None else s.targets),
+            extra=dict(s.method_kwargs),
         ),
         train=TrainConfig(
-            max_steps=int(num_training_steps),
-            warmup_ratio=float(warmup_ratio),
-            min_lr_ratio=float(min_lr_ratio),
-            schedule=schedule,
-            update_in_backward=bool(update_in_backward),
+            max_steps=int(s.num_training_steps),
+            warmup_ratio=float(s.warmup_ratio),
+            min_lr_ratio=float(s.min_lr_ratio),
+            schedule=s.schedule,
+            update_in_backward=bool(s.update_in_backward),
         ),
         restarts=RestartsConfig(
-            every=int(restarts_every),
-            refactorize=refactorize,
-            reset_momentum=reset_momentum,
-            recovery_steps=int(recovery_steps),
+            int(s.restarts_every), s.refactorize, s.reset_momentum, int(s.recovery_steps)
         ),
     )
     return validate(cfg, "create_optimizer")
 
 
-# Optimizer factory
-
-
 def create_optimizer(
-    model: torch.nn.Module,
-    method: str,
-    *,
-    num_training_steps: int,
-    lr: float,
-    weight_decay: float = 0.0,
-    warmup_ratio: float = 0.1,
-    min_lr_ratio: float = 0.1,
-    schedule: str = "cosine",
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float | None = None,
-    rank: int = 128,
-    update_proj_gap: int = 200,
-    scale: float = 0.25,
-    proj_type: str = "std",
-    basis: str = "default",
-    targets: Sequence[str] | None = None,
-    restarts_every: int = 0,
-    refactorize: bool = True,
-    reset_momentum: bool = True,
-    recovery_steps: int = 10,
-    update_in_backward: bool = False,
-    **method_kwargs: Any,
+    model: torch.nn.Module, method: str, **settings: Any
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """Builds ``(optimizer, lr_scheduler)`` for ``Trainer(optimizers=...)`` the way the trainer does.
 
-    Param groups follow the trainer's rules (attention/MLP linear weights named in `targets` are
+    Param groups follow the trainer's rules (attention/MLP linear weights named in ``targets`` are
     projected by projection methods; other matrices get weight decay; vectors get none; frozen
     parameters are left out). The schedule is the trainer's `lr_factor`: linear warmup over
     ``warmup_ratio * num_training_steps`` updates, then cosine / linear / constant to
-    ``min_lr_ratio * lr``, times the restart recovery ramp when restarts reset momentum.
-
-    Call it after model surgery (`apply_factorization`) and pass the Trainer's ``max_steps`` as
-    `num_training_steps`.
+    ``min_lr_ratio * lr``, times the restart recovery ramp when restarts reset momentum. Call it
+    after model surgery (`apply_factorization`) with the Trainer's ``max_steps`` as
+    ``num_training_steps``.
 
     Args:
         model: the model to train (its trainable parameters are grouped).
         method: an optimizer name from the registry `optimizers.METHODS`.
-        num_training_steps: optimizer updates in the run (the schedule's length).
-        lr: peak learning rate (eta).
-        weight_decay: decoupled weight decay (lambda) for matrices.
-        warmup_ratio: fraction of updates spent in linear warmup.
-        min_lr_ratio: final LR as a fraction of `lr`.
-        schedule: "cosine", "linear" or "constant" after warmup.
-        betas: Adam's (beta1, beta2).
-        eps: Adam's epsilon; None: the method's reference value (its class default).
-        rank: projection rank r (projection methods).
-        update_proj_gap: basis refresh period T (projection methods).
-        scale: projected update scale alpha (projection methods).
-        proj_type: projection side, as galore-torch (`optimizers.projection.PROJ_TYPES`).
-        basis: "default" (the method's own) or a basis of `optimizers.projection.METHODS`.
-        targets: attribute names of the Linear layers a projection method projects.
-        restarts_every: T of the benchmark's restarts (0: none); the optimizer is then the
-            `optimizers.Restarts` wrapper.
-        refactorize: re-split factor pairs at restarts (Low-Rank and SLTrain models).
-        reset_momentum: zero Adam moments and step counters at restarts.
-        recovery_steps: length R of the LR ramp after each restart.
-        update_in_backward: update each parameter (LORO: each factor pair) inside backward as
-            soon as its gradient is final and free the gradient (`effpretrain.in_backward`, as
-            ``train.update_in_backward``). Needs `EffPretrainCallback` in the Trainer's callbacks,
-            which marks the micro-batches of the Trainer's gradient accumulation, maps
-            ``max_grad_norm`` to the previous-step-norm clipping rule and logs the real
-            ``grad_norm``; one process only, no fp16 (GradScaler) and no DeepSpeed.
-        **method_kwargs: extra constructor options of the method (``optim.extra`` of a recipe),
-            e.g. ``gamma1=0.85`` for stable_spam, ``oversample=8`` for randomized bases.
+        **settings: `FactorySettings` (``num_training_steps`` and ``lr`` are required); any other
+            keyword is the method's own constructor option (``optim.extra`` of a recipe), e.g.
+            ``gamma1=0.85`` for stable_spam, ``oversample=8`` for randomized bases.
 
     Returns:
         The optimizer (a `Restarts` wrapper with ``restarts_every > 0``) and its LambdaLR.
 
     Raises:
         ValueError: unknown method (naming the choices), values out of range, or a projection
-            method whose `targets` match no linear weight.
+            method whose ``targets`` match no linear weight.
         RuntimeError: (at the Trainer's first optimizer step) ``update_in_backward`` without
             `EffPretrainCallback` in the Trainer.
     """
-    cfg = build_run_config(
-        model,
-        method,
-        num_training_steps=num_training_steps,
-        lr=lr,
-        weight_decay=weight_decay,
-        warmup_ratio=warmup_ratio,
-        min_lr_ratio=min_lr_ratio,
-        schedule=schedule,
-        betas=betas,
-        eps=eps,
-        rank=rank,
-        update_proj_gap=update_proj_gap,
-        scale=scale,
-        proj_type=proj_type,
-        basis=basis,
-        targets=targets,
-        restarts_every=restarts_every,
-        refactorize=refactorize,
-        reset_momentum=reset_momentum,
-        recovery_steps=recovery_steps,
-        update_in_backward=update_in_backward,
-        **method_kwargs,
-    )
+    cfg = build_run_config(model, method, **settings)
     opt, sched = build_optimizer_and_schedule(model, cfg)
     _CONFIGS[opt] = cfg
-    if update_in_backward:
+    if cfg.train.update_in_backward:
         _attach_in_backward(model, opt)
     return opt, sched
 

@@ -114,6 +114,32 @@ def peak_moments(
     }
     for m in out.values():
         m["fsdp_gather"] = dist.gather
+    out["block_backward"] = _worst_block_backward(t, acts, checkpointed, dist, base, held, in_backward)
+    stepped = in_backward is not None  # every unit has stepped and freed its gradient
+    out["optimizer_step"] = {
+        **base,
+        "grads": 0 if stepped else t.grads,
+        "optimizer_transient": 0 if stepped else t.transient,
+        "restart_transient": t.restart_transient,
+    }
+    if dist.grads_in_buckets:
+        for m in out.values():
+            m["grads"] = 0
+    return out
+
+
+def _worst_block_backward(
+    t: _Tally,
+    acts: Activations,
+    checkpointed: Collection[int],
+    dist: DistTerms,
+    base: dict[str, int],
+    held: int,
+    in_backward: InBackwardTerms | None,
+) -> dict[str, int]:
+    """The ``block_backward`` moment of `peak_moments`: the decoder block, last to first, whose
+    backward holds the most (gradients so far, the activations before it, its own saved set or
+    its recompute, its temporaries)."""
     produced = t.grads - sum(t.block_grads.values())
     before = acts.total - acts.loss.saved
     worst: dict[str, int] = {}
@@ -133,18 +159,7 @@ def peak_moments(
             m["optimizer_transient"] = in_backward.step_transient
         if sum(m.values()) > sum(worst.values()):
             worst = m
-    out["block_backward"] = worst
-    stepped = in_backward is not None  # every unit has stepped and freed its gradient
-    out["optimizer_step"] = {
-        **base,
-        "grads": 0 if stepped else t.grads,
-        "optimizer_transient": 0 if stepped else t.transient,
-        "restart_transient": t.restart_transient,
-    }
-    if dist.grads_in_buckets:
-        for m in out.values():
-            m["grads"] = 0
-    return out
+    return worst
 
 
 def _peak(moments: dict[str, dict[str, int]]) -> tuple[int, str, dict[str, int]]:
@@ -153,66 +168,105 @@ def _peak(moments: dict[str, dict[str, int]]) -> tuple[int, str, dict[str, int]]
     return sum(terms.values()), name, terms
 
 
-def estimate(
-    preset: str,
-    method: str = "adamw",
-    *,
-    dtype: str = "bf16-pure",
-    vocab_size: int | None = None,
-    optim_cfg: Any = None,
-    factor_kind: str = "none",
-    factor_rank: int = 128,
-    density: float = 0.03,
-    factor_targets: list[str] | None = None,
-    batch_size: int = 1,
-    seq_len: int = 256,
-    activation_checkpointing: int | Collection[int] = 0,
-    world_size: int = 1,
-    sharding: str = "none",
-    warm_start: bool = False,
-    grad_accum: int = 1,
-    loss: str = "standard",
-    loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-    restarts: bool = False,
-    ddp_bucket_view: bool = True,
-    data: int = 0,
-    update_in_backward: bool = False,
-    grad_clip: float = 0.0,
-) -> Estimate:
-    """Analytic memory of training `preset` with optimizer `method` (see module docstring).
+@dataclass(frozen=True)
+class EstimateOptions:
+    """What `estimate` reads beside the preset and the method: the run's shape and settings."""
 
-    `dtype` is a `PRECISIONS` name. Under FSDP2 each parameter is split on dim 0 into
-    `world_size` chunks with torch.chunk's sizes and the figures are rank 0's (the largest share).
-    `warm_start`: the full-rank warm-start phase of a kind that has one (ReLoRA's W0 trained with
-    the run's optimizer in a plain group, the factors frozen); ignored for other kinds.
-    `activation_checkpointing`: every k-th layer (an int) or the layer indices. `restarts`: the
-    run restarts (merges or refactorizes) factors, whose transient the step moment includes.
-    `data`: the training data's bytes during a step (`data_bytes`; the trainer's runs).
-    The peak is the largest moment of `peak_moments`.
+    dtype: str = "bf16-pure"
+    """A `PRECISIONS` name: the storage precision."""
+    vocab_size: int | None = None
+    """The vocabulary; None: the preset's."""
+    optim_cfg: Any = None
+    """The run's `OptimConfig` (rank, gap, targets, extra); None: the method's defaults."""
+    factor_kind: str = "none"
+    factor_rank: int = 128
+    density: float = 0.03
+    factor_targets: list[str] | None = None
+    batch_size: int = 1
+    seq_len: int = 256
+    activation_checkpointing: int | Collection[int] = 0
+    """Every k-th layer (an int) or the layer indices."""
+    world_size: int = 1
+    sharding: str = "none"
+    """Under FSDP2 each parameter is split on dim 0 into `world_size` chunks with torch.chunk's
+    sizes and the figures are rank 0's (the largest share)."""
+    warm_start: bool = False
+    """The full-rank warm-start phase of a kind that has one (ReLoRA's W0 trained with the run's
+    optimizer in a plain group, the factors frozen); ignored for other kinds."""
+    grad_accum: int = 1
+    loss: str = "standard"
+    loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    restarts: bool = False
+    """The run restarts (merges or refactorizes) factors, whose transient the step includes."""
+    ddp_bucket_view: bool = True
+    data: int = 0
+    """The training data's bytes during a step (`data_bytes`; the trainer's runs)."""
+    update_in_backward: bool = False
+    """``train.update_in_backward``: ``grads`` is the in-backward figure between refreshes,
+    accumulators + gradients in flight (`in_backward_terms`), and the moments are
+    `in_backward_moments`; under FSDP2 the accumulators are per-rank shards, under DDP no bucket is
+    counted. Low-rank accumulators only with `grad_clip` 0 (`effpretrain.in_backward`)."""
+    grad_clip: float = 0.0
 
-    `update_in_backward` (``train.update_in_backward``): ``grads`` is the in-backward gradient
-    figure between refreshes, accumulators + gradients in flight (`in_backward_terms`), and the
-    moments are `in_backward_moments` (a refresh step's larger accumulators included in the
-    peak). Detail keys: ``update_in_backward``, ``grads_all_parameters`` (every trainable
-    gradient: the normal path's figure), ``grad_accumulators``, ``grad_accumulators_at_refresh``,
-    ``grads_in_flight``, ``grads_at_refresh``, ``in_backward_step_transient`` and
-    ``peak_between_refreshes``. Under FSDP2 the accumulators are per-rank shards (assumed: the
-    in-backward FSDP2 path reduce-scatters every micro-step, so no unsharded gradient is kept);
-    under DDP no gradient bucket is counted (assumed: each final gradient is all-reduced on its
-    own in its hook, `InBackward`'s ``reduce``). Low-rank accumulators only with `grad_clip` 0
-    (``train.grad_clip``): with clipping on every accumulator is full, so that the clipping norm
-    is the whole gradient's in every launch mode (`effpretrain.in_backward`).
-    """
 
-    optim_cfg = optim_cfg or OptimConfig(name=method)
-    prec = precision(dtype)
+def estimate(preset: str, method: str = "adamw", **options: Any) -> Estimate:
+    """Analytic memory of training `preset` with optimizer `method` (see module docstring), with
+    the run's shape and settings as `EstimateOptions` keywords. The peak is the largest moment of
+    `peak_moments` (`in_backward_moments` with updates in backward); ``detail`` says where it is
+    reached, of what, and with updates in backward the gradient figures of both paths
+    (`_in_backward_detail`)."""
+    o = EstimateOptions(**options)
+    prec = precision(o.dtype)
+    p = PRESETS[preset]
+    shapes = model_param_shapes(preset, o.vocab_size)
+    factor = factor_spec(o.factor_kind) if o.factor_kind != "none" else None
+    targets = list(o.factor_targets or ATTN_MLP_TARGETS)
+    t = _param_tally(preset, method, o, prec, shapes, factor, targets)
+    ck = checkpointed_layers(o.activation_checkpointing, p.layers)
+    acts = _activation_terms(preset, o, ck, shapes, factor, targets)
+    t.block_temporaries = (
+        2 * o.batch_size * o.seq_len * (p.hidden + p.intermediate) * prec.activations.itemsize
+    )
+    ib = in_backward_terms(t, o.grad_accum) if o.update_in_backward else None
+    # In backward, DDP's buckets are not used (assumed: each final gradient is reduced in its hook).
+    dist = _dist_terms(
+        t, "none" if ib and o.sharding == "ddp" else o.sharding, o.world_size, o.ddp_bucket_view
+    )
+    if ib is None:
+        moments = peak_moments(t, acts, ck, o.grad_accum, dist, o.data)
+    else:
+        moments = in_backward_moments(t, acts, ck, o.grad_accum, dist, o.data, ib)
+    peak, moment, terms = _peak(moments)
+    detail = {
+        "preset": preset,
+        "method": method,
+        "dtype": o.dtype,
+        "factor": o.factor_kind,
+        "world_size": o.world_size,
+        "sharding": o.sharding,
+        "sparse_index_bytes": t.index_bytes,
+        "optimizer_state_per_rank": t.state_ranks,
+        "checkpointed_layers": sorted(ck),
+        "loss": o.loss,
+        "peak_phase": "optimizer_step" if moment == "optimizer_step" else "forward_backward",
+        "peak_moment": moment,
+        "peak_terms": terms,
+        **(_in_backward_detail(t, ib, moments) if ib is not None else {}),
+    }
+    grads = t.grads if ib is None else ib.grads
+    return Estimate(t.weights, grads, t.state, acts.total, t.params, t.trainable, detail, peak=peak)
+
+
+def _param_tally(
+    preset: str, method: str, o: EstimateOptions, prec: Any, shapes: Any, factor: Any, targets: list[str]
+) -> _Tally:
+    """Weights, gradients and optimizer state per parameter, sharded as the run shards them."""
+    optim_cfg = o.optim_cfg or OptimConfig(name=method)
     mspec = optimizers.method_spec(method)
-    shard = world_size if sharding == "fsdp2" else 1
+    shard = o.world_size if o.sharding == "fsdp2" else 1
     t = _Tally(mspec, prec.params, shard, whole_state=shard > 1 and mspec.fsdp2_whole_state)
-    t.low_rank_acc = shard == 1 and grad_clip <= 0
-    factor = factor_spec(factor_kind) if factor_kind != "none" else None
-    targets = list(factor_targets or ATTN_MLP_TARGETS)
-    shapes = model_param_shapes(preset, vocab_size)
+    t.low_rank_acc = shard == 1 and o.grad_clip <= 0
+    p = PRESETS[preset]
     _tally_params(
         t,
         shapes,
@@ -220,57 +274,34 @@ def estimate(
         list(optim_cfg.targets),
         factor,
         targets,
-        factor_rank,
-        density,
-        warm_start,
-        restarts,
-        head_group(method, PRESETS[preset].hidden // PRESETS[preset].heads),
+        o.factor_rank,
+        o.density,
+        o.warm_start,
+        o.restarts,
+        head_group(method, p.hidden // p.heads),
     )
     t.finish()
-    p = PRESETS[preset]
-    ck = checkpointed_layers(activation_checkpointing, p.layers)
-    rank_saves = 0 if factor is None or (warm_start and factor.warm_starts) else factor.rank_saves
-    acts = activation_terms(
+    return t
+
+
+def _activation_terms(
+    preset: str, o: EstimateOptions, ck: frozenset[int], shapes: Any, factor: Any, targets: list[str]
+) -> Activations:
+    """What one micro-batch saves for backward, the loss's included."""
+    rank_saves = 0 if factor is None or (o.warm_start and factor.warm_starts) else factor.rank_saves
+    return activation_terms(
         preset,
-        vocab_size,
-        batch_size,
-        seq_len,
+        o.vocab_size,
+        o.batch_size,
+        o.seq_len,
         ck,
-        dtype,
+        o.dtype,
         rank_inputs=len(set(targets) & set(ATTN_MLP_TARGETS)) * rank_saves,
-        rank=factor_rank,
-        linear_weights=_linear_elements(shapes, factor, targets, factor_rank, density),
-        loss=loss,
-        loss_chunk_tokens=loss_chunk_tokens,
+        rank=o.factor_rank,
+        linear_weights=_linear_elements(shapes, factor, targets, o.factor_rank, o.density),
+        loss=o.loss,
+        loss_chunk_tokens=o.loss_chunk_tokens,
     )
-    t.block_temporaries = 2 * batch_size * seq_len * (p.hidden + p.intermediate) * prec.activations.itemsize
-    ib = in_backward_terms(t, grad_accum) if update_in_backward else None
-    # In backward, DDP's buckets are not used (assumed: each final gradient is reduced in its hook).
-    dist = _dist_terms(t, "none" if ib and sharding == "ddp" else sharding, world_size, ddp_bucket_view)
-    if ib is None:
-        moments = peak_moments(t, acts, ck, grad_accum, dist, data)
-    else:
-        moments = in_backward_moments(t, acts, ck, grad_accum, dist, data, ib)
-    peak, moment, terms = _peak(moments)
-    detail = {
-        "preset": preset,
-        "method": method,
-        "dtype": dtype,
-        "factor": factor_kind,
-        "world_size": world_size,
-        "sharding": sharding,
-        "sparse_index_bytes": t.index_bytes,
-        "optimizer_state_per_rank": t.state_ranks,
-        "checkpointed_layers": sorted(ck),
-        "loss": loss,
-        "peak_phase": "optimizer_step" if moment == "optimizer_step" else "forward_backward",
-        "peak_moment": moment,
-        "peak_terms": terms,
-    }
-    if ib is not None:
-        detail.update(_in_backward_detail(t, ib, moments))
-    grads = t.grads if ib is None else ib.grads
-    return Estimate(t.weights, grads, t.state, acts.total, t.params, t.trainable, detail, peak=peak)
 
 
 def estimate_from_config(

@@ -66,9 +66,50 @@ def apply_factorization(
             matched `kind`/`targets`.
     """
     spec = factor_spec(kind)
+    found = _checked_targets(model, kind, rank, density, targets)
+    params_before, trainable_before = _param_counts(model)
+    for name, lin in found:
+        w = lin.weight
+        kw: dict[str, Any] = {"bias": lin.bias, "device": w.device, "dtype": w.dtype}
+        if spec.sparse:
+            kw.update(density=density, seed=zlib.crc32(f"{seed}/{name}".encode()))
+        if spec.frozen_dense:
+            kw["weight"] = w
+        _replace(model, name, spec.layer(lin.in_features, lin.out_features, rank, alpha, **kw))
+    params_after, trainable_after = _param_counts(model)
+    _log_surgery(kind, rank, alpha, density if spec.sparse else None, found, spec.layer)
+    logger.info(
+        "apply_factorization: params %d -> %d, trainable %d -> %d",
+        params_before,
+        params_after,
+        trainable_before,
+        trainable_after,
+    )
+    report: dict[str, Any] = {
+        "kind": kind,
+        "rank": rank,
+        "alpha": float(alpha),
+        "replaced": [name for name, _ in found],
+        "params_before": params_before,
+        "params_after": params_after,
+        "trainable_params": trainable_after,
+        "frozen_params": params_after - trainable_after,
+        "index_elements": sum(
+            m.sparse_index.numel() for m in model.modules() if isinstance(m, SLTrainLinear)
+        ),
+    }
+    if spec.sparse:
+        report["density"] = float(density)
+    return report
+
+
+def _checked_targets(
+    model: nn.Module, kind: str, rank: int, density: float, targets: Sequence[str] | str
+) -> list[tuple[str, nn.Linear]]:
+    """The Linear modules to replace, every check done first (a failure changes nothing)."""
     if rank < 1:
         raise ValueError(f"rank must be >= 1, got {rank}")
-    if spec.sparse:
+    if factor_spec(kind).sparse:
         sparse_nnz(1, 1, density)  # validates density before any surgery
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
     found = [
@@ -86,54 +127,27 @@ def apply_factorization(
             raise ValueError(
                 f"rank {rank} exceeds min(m, n)={min(mod.out_features, mod.in_features)} of {name}"
             )
+    return found
 
-    params_before, trainable_before = _param_counts(model)
-    cls = spec.layer
-    for name, lin in found:
-        w = lin.weight
-        kw: dict[str, Any] = {"bias": lin.bias, "device": w.device, "dtype": w.dtype}
-        if spec.sparse:
-            kw.update(density=density, seed=zlib.crc32(f"{seed}/{name}".encode()))
-        if spec.frozen_dense:
-            kw["weight"] = w
-        _replace(model, name, cls(lin.in_features, lin.out_features, rank, alpha, **kw))
 
-    params_after, trainable_after = _param_counts(model)
-    index_elements = sum(m.sparse_index.numel() for m in model.modules() if isinstance(m, SLTrainLinear))
+def _log_surgery(
+    kind: str, rank: int, alpha: float, density: float | None, found: list[tuple[str, nn.Linear]], cls: type
+) -> None:
     per_target: dict[str, int] = {}
     for name, _ in found:
         key = name.rpartition(".")[2]
         per_target[key] = per_target.get(key, 0) + 1
     logger.info(
-        "apply_factorization: %s (rank=%d, alpha=%g%s) replaced %d Linear layers (%s); "
-        "params %d -> %d, trainable %d -> %d",
+        "apply_factorization: %s (rank=%d, alpha=%g%s) replaced %d Linear layers (%s)",
         kind,
         rank,
         alpha,
-        f", density={density:g}" if spec.sparse else "",
+        f", density={density:g}" if density is not None else "",
         len(found),
         ", ".join(f"{k} x{v}" for k, v in per_target.items()),
-        params_before,
-        params_after,
-        trainable_before,
-        trainable_after,
     )
     for name, _ in found:
         logger.debug("apply_factorization: %s -> %s", name, cls.__name__)
-    report: dict[str, Any] = {
-        "kind": kind,
-        "rank": rank,
-        "alpha": float(alpha),
-        "replaced": [name for name, _ in found],
-        "params_before": params_before,
-        "params_after": params_after,
-        "trainable_params": trainable_after,
-        "frozen_params": params_after - trainable_after,
-        "index_elements": index_elements,
-    }
-    if spec.sparse:
-        report["density"] = float(density)
-    return report
 
 
 def factorized_layers(model: nn.Module) -> list[tuple[str, FactorizedLinear]]:
