@@ -175,43 +175,10 @@ def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str,
 
     o = cfg.optim
     spec = optimizers.method_spec(o.name)
-    projected_method = spec.projects
-    targets = set(o.targets)
     warm = warm_start_layers(model) if cfg.factor.warm_start_steps else []
-    w0s = {id(layer.weight) for layer in warm}
-    phased = w0s | {id(p) for layer in warm for p in layer.factor_pair()}
     heads = head_group(o.name, _head_dim(model))
-    proj, head, decay, no_decay = [], [], [], []
-    matrix: dict[str, list[torch.nn.Parameter]] = {}  # whole-matrix groups by role (registry)
-    for mod_name, module in model.named_modules():
-        attr = mod_name.rsplit(".", 1)[-1]
-        for pname, p in module.named_parameters(recurse=False):
-            if id(p) in w0s or not (p.requires_grad or id(p) in phased):
-                continue
-            target = isinstance(module, torch.nn.Linear) and attr in targets and pname == "weight"
-            role = spec.matrix_role(
-                target=target, embedding=isinstance(module, torch.nn.Embedding), ndim=p.ndim
-            )
-            if projected_method and target:
-                proj.append(p)
-            elif heads and isinstance(module, torch.nn.Linear) and attr in HEAD_TARGETS:
-                head.append(p)
-            elif role is not None:
-                matrix.setdefault(role, []).append(p)
-            elif p.ndim < 2:
-                no_decay.append(p)
-            else:
-                decay.append(p)
-    if projected_method and not proj:
-        raise ConfigError(
-            f"optim.targets={sorted(targets)} matched no linear weight to project "
-            f"(method {o.name}, factor.kind={cfg.factor.kind})"
-        )
-    for p in proj:
-        if spec.fixed_rank is None and o.rank > min(p.shape):
-            raise ConfigError(
-                f"optim.rank={o.rank} exceeds min(m, n)={min(p.shape)} of a projected {tuple(p.shape)} weight"
-            )
+    proj, head, matrix, decay, no_decay = _sort_params(model, cfg, warm, bool(heads))
+    _check_projected(proj, cfg)
     groups = []
     if spec.steps_factor_pairs:
         groups.append(_factor_pair_group(model, cfg, decay))
@@ -228,6 +195,55 @@ def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str,
     if warm:
         groups.append({"params": [layer.weight for layer in warm], "weight_decay": o.weight_decay})
     return groups
+
+
+def _sort_params(
+    model: torch.nn.Module, cfg: RunConfig, warm: list[Any], heads: bool
+) -> tuple[list, list, dict[str, list], list, list]:
+    """Every trainable parameter (and a warm start's factors) by rule: projected, head-blocked,
+    whole-matrix (by role), decayed matrix, undecayed vector; a warm start's W0s are left out."""
+    spec = optimizers.method_spec(cfg.optim.name)
+    targets = set(cfg.optim.targets)
+    w0s = {id(layer.weight) for layer in warm}
+    phased = w0s | {id(p) for layer in warm for p in layer.factor_pair()}
+    proj, head, decay, no_decay = [], [], [], []
+    matrix: dict[str, list[torch.nn.Parameter]] = {}  # whole-matrix groups by role (registry)
+    for mod_name, module in model.named_modules():
+        attr = mod_name.rsplit(".", 1)[-1]
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in w0s or not (p.requires_grad or id(p) in phased):
+                continue
+            target = isinstance(module, torch.nn.Linear) and attr in targets and pname == "weight"
+            role = spec.matrix_role(
+                target=target, embedding=isinstance(module, torch.nn.Embedding), ndim=p.ndim
+            )
+            if spec.projects and target:
+                proj.append(p)
+            elif heads and isinstance(module, torch.nn.Linear) and attr in HEAD_TARGETS:
+                head.append(p)
+            elif role is not None:
+                matrix.setdefault(role, []).append(p)
+            elif p.ndim < 2:
+                no_decay.append(p)
+            else:
+                decay.append(p)
+    return proj, head, matrix, decay, no_decay
+
+
+def _check_projected(proj: list[torch.Tensor], cfg: RunConfig) -> None:
+    """ConfigError when a projection method's targets match nothing or its rank exceeds a matrix."""
+    o = cfg.optim
+    spec = optimizers.method_spec(o.name)
+    if spec.projects and not proj:
+        raise ConfigError(
+            f"optim.targets={sorted(set(o.targets))} matched no linear weight to project "
+            f"(method {o.name}, factor.kind={cfg.factor.kind})"
+        )
+    for p in proj:
+        if spec.fixed_rank is None and o.rank > min(p.shape):
+            raise ConfigError(
+                f"optim.rank={o.rank} exceeds min(m, n)={min(p.shape)} of a projected {tuple(p.shape)} weight"
+            )
 
 
 def _factor_pair_group(model: torch.nn.Module, cfg: RunConfig, decay: list[torch.Tensor]) -> dict[str, Any]:

@@ -478,6 +478,13 @@ def _decompose(
     )
 
 
+def _check_basis_args(grad: torch.Tensor, method: str) -> None:
+    if method not in METHODS:
+        raise ValueError(f"unknown basis method {method!r}; choose one of {', '.join(METHODS)}")
+    if grad.ndim != 2:
+        raise ValueError(f"projection needs a 2-D gradient, got shape {tuple(grad.shape)}")
+
+
 def compute_basis(
     grad: torch.Tensor,
     rank: int,
@@ -503,8 +510,7 @@ def compute_basis(
             warm-start sketch of randomized_svd when `warm_start`.
         seed: the parameter's seed (random and randomized_svd draw from ``mix_seed(seed, refresh)``).
         refresh: k, index of the basis being computed.
-        oversample: p of randomized_svd.
-        power_iters: q of randomized_svd.
+        oversample, power_iters: p and q of randomized_svd.
         warm_start: start randomized_svd from `prev` when given.
         stats: counters to update (count, seconds, failed), or None.
 
@@ -512,10 +518,7 @@ def compute_basis(
         The new basis (fp32, contiguous); or `prev` (the same object, possibly None) when G is not
         finite or the decomposition fails. The random method never reads G's values, so it never fails.
     """
-    if method not in METHODS:
-        raise ValueError(f"unknown basis method {method!r}; choose one of {', '.join(METHODS)}")
-    if grad.ndim != 2:
-        raise ValueError(f"projection needs a 2-D gradient, got shape {tuple(grad.shape)}")
+    _check_basis_args(grad, method)
     t0 = time.perf_counter()
     shape = tuple(grad.shape)
     try:

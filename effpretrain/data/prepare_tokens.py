@@ -158,40 +158,11 @@ def _progress(docs: int, tokens: int, t0: float, final: bool = False) -> None:
     )
 
 
-def prepare(
-    source: str,
-    out: str | Path,
-    tokenizer: str = "builtin-bpe",
-    vocab_size: int = 8192,
-    text_field: str = "text",
-    shard_tokens: int = DEFAULT_SHARD_TOKENS,
-    val_every: int = 50,
-    force: bool = False,
-    progress: bool = True,
-) -> dict[str, Any]:
-    """Tokenises SOURCE into shards under `out` (module docstring) and returns the manifest.
-
-    Raises:
-        ConfigError: a missing or unreadable source, bad data (file and line named), an empty
-            corpus, a non-empty `out` without `force`, or a size < 1.
-    """
-    for flag, value in (
-        ("--shard-tokens", shard_tokens),
-        ("--val-every", val_every),
-        ("--vocab-size", vocab_size),
-    ):
-        if value < 1:
-            raise ConfigError(f"{flag} must be >= 1, got {value}")
-    if source != "builtin":
-        list_shards(source, "source")  # a missing source is refused before any tokenizer work
-    out = Path(out).expanduser()
-    _check_out(out, force)
-    cfg = DataConfig(text_field=text_field, tokenizer=tokenizer, vocab_size=vocab_size, val_every=val_every)
-    tok, tok_entry, bpe_file = _run_tokenizer(source, cfg)
-    _clear_out(out)
-    dtype = token_dtype(tok.vocab_size)
-    writers = {s: _ShardWriter(out, s, dtype, tok.eos_id, shard_tokens) for s in ("train", "val")}
-    rule, is_val = held_out_rule(source, val_every)
+def _write_documents(
+    source: str, text_field: str, tok: Tokenizer, writers: dict[str, Any], is_val: Any, progress: bool
+) -> int:
+    """Tokenises every document, in chunks, into its split's shards (closed at the end); returns
+    how many documents were read."""
     t0, last, index = time.perf_counter(), 0.0, 0
     chunk: list[str] = []
 
@@ -214,6 +185,45 @@ def prepare(
     flush()
     for w in writers.values():
         w.close()
+    return index
+
+
+def _check_sizes(**sizes: int) -> None:
+    for name, value in sizes.items():
+        if value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+def prepare(
+    source: str,
+    out: str | Path,
+    tokenizer: str = "builtin-bpe",
+    vocab_size: int = 8192,
+    text_field: str = "text",
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    val_every: int = 50,
+    force: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Tokenises SOURCE into shards under `out` (module docstring) and returns the manifest.
+
+    Raises:
+        ConfigError: a missing or unreadable source, bad data (file and line named), an empty
+            corpus, a non-empty `out` without `force`, or a size < 1.
+    """
+    _check_sizes(shard_tokens=shard_tokens, val_every=val_every, vocab_size=vocab_size)
+    if source != "builtin":
+        list_shards(source, "source")  # a missing source is refused before any tokenizer work
+    out = Path(out).expanduser()
+    _check_out(out, force)
+    cfg = DataConfig(text_field=text_field, tokenizer=tokenizer, vocab_size=vocab_size, val_every=val_every)
+    tok, tok_entry, bpe_file = _run_tokenizer(source, cfg)
+    _clear_out(out)
+    dtype = token_dtype(tok.vocab_size)
+    writers = {s: _ShardWriter(out, s, dtype, tok.eos_id, shard_tokens) for s in ("train", "val")}
+    rule, is_val = held_out_rule(source, val_every)
+    t0 = time.perf_counter()
+    index = _write_documents(source, text_field, tok, writers, is_val, progress)
     if not writers["train"].documents:
         raise ConfigError(f"{source}: the corpus is empty (no non-blank documents)")
     if not writers["val"].documents:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
 import torch
 
@@ -92,33 +93,37 @@ def estimate_memory(
     An optimizer from ``create_optimizer(..., update_in_backward=True)`` gets the in-backward
     gradient terms (preset models; `effpretrain.memory.estimate`).
     """
-    cfg = _config_of(optimizer)
     method = _method_of(optimizer)
     preset, dtype = _preset_of(model), _dtype_name(model, bf16_autocast)
-    if preset is not None and dtype is not None and method is not None:
-        f = factor_config(model)
-        est = memory.estimate(
-            preset,
-            method,
-            dtype=dtype,
-            vocab_size=model.config.vocab_size,
-            optim_cfg=cfg.optim if cfg is not None else _optim_config_from_groups(method, optimizer),
-            factor_kind=f.kind,
-            factor_rank=f.rank,
-            density=f.density,
-            factor_targets=f.targets,
-            batch_size=batch_size,
-            seq_len=seq_len or 1,
-            activation_checkpointing=activation_checkpointing,
-            grad_accum=grad_accum,
-            update_in_backward=_engine_of(optimizer) is not None,
-            grad_clip=grad_clip,
-        )
-        est.detail["source"] = f"preset:{preset}"
-        if seq_len is None:
-            est = dataclasses.replace(est, activations=0, detail={**est.detail, "activations": "unknown"})
-        return est
+    if preset is None or dtype is None or method is None:
+        return _from_parameters(model, optimizer, method)
+    f, cfg = factor_config(model), _config_of(optimizer)
+    est = memory.estimate(
+        preset,
+        method,
+        dtype=dtype,
+        vocab_size=model.config.vocab_size,
+        optim_cfg=cfg.optim if cfg is not None else _optim_config_from_groups(method, optimizer),
+        factor_kind=f.kind,
+        factor_rank=f.rank,
+        density=f.density,
+        factor_targets=f.targets,
+        batch_size=batch_size,
+        seq_len=seq_len or 1,
+        activation_checkpointing=activation_checkpointing,
+        grad_accum=grad_accum,
+        update_in_backward=_engine_of(optimizer) is not None,
+        grad_clip=grad_clip,
+    )
+    est.detail["source"] = f"preset:{preset}"
+    if seq_len is None:
+        est = dataclasses.replace(est, activations=0, detail={**est.detail, "activations": "unknown"})
+    return est
 
+
+def _from_parameters(model: torch.nn.Module, optimizer: Any, method: str | None) -> memory.Estimate:
+    """Weights, gradients and optimizer state of a model that is not a preset's, from its actual
+    parameters and the optimizer's actual param groups (`optimizers.state_bytes`)."""
     params = list(model.parameters())
     weights = memory.tensor_bytes(params)
     for module in model.modules():  # persistent buffers such as SLTrain's sparse index are weights too

@@ -54,8 +54,7 @@ def apply_factorization(
         rank: r, at most min(m, n) of every target.
         alpha: the scale numerator (s = alpha / r).
         targets: attribute names of the Linear modules to replace.
-        density: SLTrain's delta.
-        seed: base seed of SLTrain's supports.
+        density, seed: SLTrain's delta, and the base seed of its supports.
 
     Returns:
         {"kind", "rank", "alpha", "density" (sltrain only), "replaced": [module names],
@@ -85,22 +84,34 @@ def apply_factorization(
         trainable_before,
         trainable_after,
     )
-    report: dict[str, Any] = {
+    report = _surgery_report(model, kind, rank, alpha, found, (params_before, params_after, trainable_after))
+    if spec.sparse:
+        report["density"] = float(density)
+    return report
+
+
+def _surgery_report(
+    model: nn.Module,
+    kind: str,
+    rank: int,
+    alpha: float,
+    found: list[tuple[str, nn.Linear]],
+    counts: tuple[int, int, int],
+) -> dict[str, Any]:
+    before, after, trainable = counts
+    return {
         "kind": kind,
         "rank": rank,
         "alpha": float(alpha),
         "replaced": [name for name, _ in found],
-        "params_before": params_before,
-        "params_after": params_after,
-        "trainable_params": trainable_after,
-        "frozen_params": params_after - trainable_after,
+        "params_before": before,
+        "params_after": after,
+        "trainable_params": trainable,
+        "frozen_params": after - trainable,
         "index_elements": sum(
             m.sparse_index.numel() for m in model.modules() if isinstance(m, SLTrainLinear)
         ),
     }
-    if spec.sparse:
-        report["density"] = float(density)
-    return report
 
 
 def _checked_targets(
