@@ -132,15 +132,15 @@ class Trainer:
         return path
 
     def _set_up_data(self) -> None:
-        cfg, t = self.cfg, self.cfg.train
+        cfg, train_cfg = self.cfg, self.cfg.train
         with self.acc.main_process_first():
             self.corpus = data_mod.load_corpus(cfg.data)
             self.tok = data_mod.load_tokenizer(cfg.data, self.corpus)
         self.stream = data_mod.TokenStream.from_config(self.corpus, self.tok, cfg.data, self.rank, self.world)
         self.batches = data_mod.Batches(
             self.stream,
-            t.batch_size,
-            t.grad_accum,
+            train_cfg.batch_size,
+            train_cfg.grad_accum,
             self.rank,
             self.world,
             vocab_size=self.tok.vocab_size,
@@ -149,7 +149,7 @@ class Trainer:
         )
         # Read once: every evaluation runs on these rows, the same for any number of processes.
         self.val = data_mod.validation_set(
-            self.corpus, self.tok, cfg.data.seq_len, cfg.data.mode, t.eval_tokens
+            self.corpus, self.tok, cfg.data.seq_len, cfg.data.mode, train_cfg.eval_tokens
         )
 
     def _build_model(self) -> torch.nn.Module:
@@ -159,16 +159,16 @@ class Trainer:
 
     def _checkpointed_layers(self) -> int | list[int]:
         """`train.activation_checkpointing`; for ``auto`` the estimator's plan, logged."""
-        t = self.cfg.train
-        if t.activation_checkpointing != "auto":
-            return t.activation_checkpointing
+        train_cfg = self.cfg.train
+        if train_cfg.activation_checkpointing != "auto":
+            return train_cfg.activation_checkpointing
         layers, est = memory.plan_checkpointing(
             self.cfg, self.tok.vocab_size, self.world, self.launch.sharding
         )
         log.info(
             "activation_checkpointing=auto: layers %s within %g GB (estimated peak %.3f GB)",
             layers,
-            t.memory_budget_gb,
+            train_cfg.memory_budget_gb,
             est.peak / 1e9,
         )
         return layers
@@ -176,7 +176,7 @@ class Trainer:
     def _set_up_model_and_optimizer(self, model: torch.nn.Module) -> None:
         opt, self.sched = build_optimizer_and_schedule(model, self.cfg)
         self.inner_opt = opt
-        self.inb: InBackward | None = None
+        self.in_backward: InBackward | None = None
         self.model, self.opt = self.launch.wrap(model, opt)
         self._set_up_in_backward()
 
@@ -186,22 +186,22 @@ class Trainer:
         a hook does to a final gradient first (DDP: average it over the ranks)."""
         if not self.cfg.train.update_in_backward:
             return
-        prev = self.inb.prev_norm if self.inb is not None else None
-        if self.inb is not None:
-            self.inb.remove()
+        prev = self.in_backward.prev_norm if self.in_backward is not None else None
+        if self.in_backward is not None:
+            self.in_backward.remove()
         model = self.launch.unwrap(self.model)
         reduce = self.launch.in_backward_reduce(model)
-        self.inb = InBackward(
+        self.in_backward = InBackward(
             list(model.parameters()), self.inner_opt, max_norm=self.cfg.train.grad_clip, reduce=reduce
         )
-        self.inb.prev_norm = prev
+        self.in_backward.prev_norm = prev
 
     def _checkpointer(self, allow_config_change: bool) -> Checkpointer:
         """The run's checkpoints as named parts (`effpretrain.checkpoint.states`)."""
         parts = {
             "run": RunFacts(self.cfg, self.world, self.launch.sharding, allow_config_change),
             "scheduler": self.sched,
-            "in_backward": OptionalPart(lambda: self.inb),
+            "in_backward": OptionalPart(lambda: self.in_backward),
             "data": DataPosition(self.stream, self.launch),
             "rng": RngState(),
             "progress": self.progress,
@@ -219,8 +219,8 @@ class Trainer:
     @property
     def tokens_per_step(self) -> int:
         """Tokens in one optimizer step over all processes: batch x accumulation x world x seq_len."""
-        t = self.cfg.train
-        return t.batch_size * t.grad_accum * self.world * self.cfg.data.seq_len
+        train_cfg = self.cfg.train
+        return train_cfg.batch_size * train_cfg.grad_accum * self.world * self.cfg.data.seq_len
 
     # -- the loop -----------------------------------------------------------------------------
     def fit(self, stop: StopSignals | None = None) -> dict[str, Any]:
@@ -238,7 +238,7 @@ class Trainer:
             NonFiniteError: `train.max_consecutive_skips` non-finite steps in a row.
             effpretrain.signals.RunInterrupted: a second signal (no checkpoint).
         """
-        p, max_steps = self.progress, self.cfg.train.max_steps
+        progress, max_steps = self.progress, self.cfg.train.max_steps
         signals = contextlib.nullcontext(stop) if stop is not None else StopSignals()
         with (
             signals as stop,
@@ -246,14 +246,14 @@ class Trainer:
                 self.acc,
                 self.cfg,
                 self.out,
-                p.step,
+                progress.step,
                 flops.run_flops_per_token(self.cfg, self.tok.vocab_size, self.world),
             ) as report,
         ):
-            clock, last_val = RunClock(start_tokens=p.tokens), None
+            clock, last_val = RunClock(start_tokens=progress.tokens), None
             self.model.train()
             stop.enter_loop()
-            while not (stopped := self._stop_agreed(stop)) and p.step < max_steps:
+            while not (stopped := self._stop_agreed(stop)) and progress.step < max_steps:
                 loss, gnorm, finite = self._timed_step(clock)
                 self._report_memory(report)
                 if not finite:
@@ -264,7 +264,7 @@ class Trainer:
                 self._log_step(report, clock, loss, gnorm)
                 last_val = self._maybe_evaluate(report) or last_val
                 self._maybe_save()
-                report.advance(loss, clock.tokens_per_s(p.tokens))
+                report.advance(loss, clock.tokens_per_s(progress.tokens))
             report.close_progress()
             if stopped:
                 return self._stop_on_signal(stop.requested or stop.agreed)
@@ -292,15 +292,15 @@ class Trainer:
 
     def _measured_step(self, step: int) -> tuple[float, float, bool]:
         """`_train_step` under `measure.measure_step` (hooks on for this step only)."""
-        box: dict[str, Any] = {}
+        result: dict[str, Any] = {}
         self._measured = measure.measure_step(
-            lambda: box.setdefault("out", self._train_step()),
+            lambda: result.setdefault("step", self._train_step()),
             self.model,
             self.inner_opt,
             step=step,
-            in_backward=self.inb,
+            in_backward=self.in_backward,
         )
-        return box["out"]
+        return result["step"]
 
     def _report_memory(self, report: RunReport) -> None:
         """Writes the step's measured memory (every rank's: gathered, all ranks measure the same
@@ -321,22 +321,22 @@ class Trainer:
 
     def _skip(self, report: RunReport, loss: float, gnorm: float) -> None:
         """Records a non-finite step (nothing advanced) and stops after too many in a row."""
-        p = self.progress
-        p.skipped += 1
-        p.consecutive_skips += 1
-        log.warning("step %d: non-finite loss/grad norm, optimizer step skipped", p.step + 1)
-        report.write({"event": "skip", "step": p.step, "loss": loss, "grad_norm": gnorm})
-        if p.consecutive_skips >= self.cfg.train.max_consecutive_skips:
+        progress = self.progress
+        progress.skipped += 1
+        progress.consecutive_skips += 1
+        log.warning("step %d: non-finite loss/grad norm, optimizer step skipped", progress.step + 1)
+        report.write({"event": "skip", "step": progress.step, "loss": loss, "grad_norm": gnorm})
+        if progress.consecutive_skips >= self.cfg.train.max_consecutive_skips:
             raise NonFiniteError(
-                f"{p.consecutive_skips} consecutive non-finite steps at step {p.step}; "
+                f"{progress.consecutive_skips} consecutive non-finite steps at step {progress.step}; "
                 "stopping (the last good checkpoint is kept)"
             )
 
     def _count_step(self) -> None:
-        p = self.progress
-        p.consecutive_skips = 0
-        p.step += 1
-        p.tokens += self.tokens_per_step
+        progress = self.progress
+        progress.consecutive_skips = 0
+        progress.step += 1
+        progress.tokens += self.tokens_per_step
 
     def _end_warm_start_if_due(self) -> None:
         """The warm start's switch, once `factor.warm_start_steps` steps are done (right after that
@@ -355,13 +355,13 @@ class Trainer:
         log.info("step %d: warm start done, training the factors from here", self.progress.step)
 
     def _log_step(self, report: RunReport, clock: RunClock, loss: float, gnorm: float) -> None:
-        p, t = self.progress, self.cfg.train
-        if p.step % t.log_every and p.step != t.max_steps:
+        progress, train_cfg = self.progress, self.cfg.train
+        if progress.step % train_cfg.log_every and progress.step != train_cfg.max_steps:
             return
         report.write(
             {
-                "step": p.step,
-                "tokens": p.tokens,
+                "step": progress.step,
+                "tokens": progress.tokens,
                 "loss": loss,
                 "lr": self.sched.get_last_lr()[0],
                 "grad_norm": gnorm,
@@ -375,13 +375,13 @@ class Trainer:
 
     def _maybe_evaluate(self, report: RunReport) -> EvalResult | None:
         """Evaluates when `due` (every `train.eval_every` steps and at the last); None otherwise."""
-        p = self.progress
-        if not due(self.cfg.train.eval_every, p.step, self.cfg.train.max_steps):
+        progress = self.progress
+        if not due(self.cfg.train.eval_every, progress.step, self.cfg.train.max_steps):
             return None
         val = self.evaluate()
-        self._evaluated_step = p.step
-        report.write({"event": "eval", "step": p.step, "tokens": p.tokens, **val.record()})
-        report.note(f"step {p.step}: val_loss {val.loss:.4f}  val_ppl {val.ppl:.2f}")
+        self._evaluated_step = progress.step
+        report.write({"event": "eval", "step": progress.step, "tokens": progress.tokens, **val.record()})
+        report.note(f"step {progress.step}: val_loss {val.loss:.4f}  val_ppl {val.ppl:.2f}")
         return val
 
     def _maybe_save(self) -> None:
@@ -400,17 +400,17 @@ class Trainer:
     def _finish(self, report: RunReport, clock: RunClock, last_val: EvalResult | None) -> dict[str, Any]:
         """Final evaluation and checkpoint (unless the loop's last step had them: a resume at
         `train.max_steps` has neither), summary."""
-        p = self.progress
-        if last_val is None or self._evaluated_step != p.step:
+        progress = self.progress
+        if last_val is None or self._evaluated_step != progress.step:
             last_val = self.evaluate()
-        if self._saved_step != p.step:
+        if self._saved_step != progress.step:
             self.save()
         summary = build_summary(
             self.cfg,
             self.acc,
             self.model,
             self.inner_opt,
-            progress=p,
+            progress=progress,
             val=last_val,
             clock=clock,
             grad_bytes=self.grad_bytes,
@@ -434,15 +434,15 @@ class Trainer:
         which ``optimizer.step()`` runs on no gradients, and the schedule."""
         snap = self.stream.snapshot()
         loss = self._forward_backward()
-        gnorm, finite = self.launch.finish_step(self.model, self.inb, loss)
-        if self.inb is not None:
-            self.opt_seconds += self.inb.step_seconds
-            self.inb.step_seconds = 0.0
-            if self.inb.skipped:
+        gnorm, finite = self.launch.finish_step(self.model, self.in_backward, loss)
+        if self.in_backward is not None:
+            self.opt_seconds += self.in_backward.step_seconds
+            self.in_backward.step_seconds = 0.0
+            if self.in_backward.skipped:
                 log.warning(
                     "step %d: %d parameters with non-finite gradients were not updated",
                     self.progress.step + 1,
-                    self.inb.skipped,
+                    self.in_backward.skipped,
                 )
         if finite:
             t0 = time.perf_counter()
@@ -464,17 +464,17 @@ class Trainer:
         for k, mb in enumerate(micro):
             mb = {key: v.to(dev) for key, v in mb.items()}
             last = k == K - 1
-            if self.inb is not None:
-                self.inb.begin_micro(k, K)
-            sync = self.launch.micro_sync(self.model, last, self.inb is not None)
+            if self.in_backward is not None:
+                self.in_backward.begin_micro(k, K)
+            sync = self.launch.micro_sync(self.model, last, self.in_backward is not None)
             with sync, self.acc.autocast():
-                t = self.cfg.train
+                train_cfg = self.cfg.train
                 s, _ = token_loss_sum(
                     self.model,
                     mb,
                     self.cfg.data.mode == "pack",
-                    loss=t.loss,
-                    chunk_tokens=t.loss_chunk_tokens,
+                    loss=train_cfg.loss,
+                    chunk_tokens=train_cfg.loss_chunk_tokens,
                 )
                 # DDP and FSDP2 average gradients over ranks: scale so the result is the global token mean.
                 self.acc.backward(s * (self.world / n_targets))
@@ -486,7 +486,7 @@ class Trainer:
         trainable parameter's; with `train.update_in_backward`, where no moment holds them all,
         this step's measured peak gradient bytes (accumulators and gradients in flight) if it was
         measured, else the estimator's in-backward figure; `grad_bytes_source` says which."""
-        if self.inb is None:
+        if self.in_backward is None:
             self.grad_bytes_source = "every_trainable_parameter"
             return sum(
                 _local(q).numel() * q.element_size() for q in self.model.parameters() if q.requires_grad

@@ -80,9 +80,9 @@ class ShardedFormat:
     ):
         import torch.distributed as dist
 
-        box = [str(commit.temp_folder(root, step)) if self.launch.is_main else None]
-        dist.broadcast_object_list(box, src=0)
-        tmp = Path(box[0])
+        shared = [str(commit.temp_folder(root, step)) if self.launch.is_main else None]
+        dist.broadcast_object_list(shared, src=0)  # rank 0's temporary folder, for every rank
+        tmp = Path(shared[0])
         trainer_state["optimizer_skeleton"] = sharded.save_sharded(tmp / "dcp", model, opt)
         self.launch.barrier()
         if not self.launch.is_main:
