@@ -550,9 +550,9 @@ def memory_steps(cfg: RunConfig) -> list[int]:
     step after whose update it runs: `restarts.every`, counted after the warm start for a kind that
     merges at restarts, as `optim_setup.wrap_restarts` sets it up); steps past `train.max_steps`
     are dropped."""
-    t = cfg.train
-    if t.memory_steps is not None:
-        steps = list(t.memory_steps)
+    train_cfg = cfg.train
+    if train_cfg.memory_steps is not None:
+        steps = list(train_cfg.memory_steps)
     else:
         steps = [1, 2]
         if optimizers.method_spec(cfg.optim.name).projects:
@@ -561,7 +561,7 @@ def memory_steps(cfg: RunConfig) -> list[int]:
             kind = cfg.factor.kind
             merges = kind != "none" and factor_spec(kind).merges_at_restart
             steps.append((cfg.factor.warm_start_steps if merges else 0) + cfg.restarts.every)
-    return sorted({s for s in steps if s <= t.max_steps})
+    return sorted({s for s in steps if s <= train_cfg.max_steps})
 
 
 def _check_writable_dir(out: Path) -> None:
