@@ -196,3 +196,30 @@ class AdamMoments:
     def nbytes(cls, numel: int, dtype: torch.dtype, group: dict[str, Any]) -> int:
         """Bytes of M and V holding `numel` entries each: 2 numel s (s = itemsize)."""
         return 2 * numel * dtype.itemsize
+
+
+def adamw_step_(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    lr_mult: float = 1.0,
+) -> None:
+    """One decoupled-weight-decay Adam step in place, in the exact operation order of
+    torch.optim.AdamW's single-tensor path (decay first, lerp for m, eps added after the
+    bias-corrected sqrt), so that it is bitwise torch's; `step` is the already advanced count t.
+    `lr_mult` scales the Adam step only, not the decay (Stable-SPAM's)."""
+    p.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    step_size = lr / (1 - beta1**step)
+    if lr_mult != 1.0:
+        step_size = step_size * lr_mult
+    denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
+    p.addcdiv_(exp_avg, denom, value=-step_size)

@@ -41,6 +41,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from optimizers._adam import adamw_step_
 from optimizers._owners import DEFAULT_BUCKET_BYTES, OwnerPlaced
 from optimizers._sharded import is_dtensor, local, nonzero_flags, whole, write_whole_
 
@@ -50,19 +51,6 @@ EXP_AVG_SQ = "exp_avg_sq"
 
 #: The roles a matrix group may have.
 ROLES: tuple[str, ...] = ("hidden", "embedding", "head")
-
-
-def adamw_step_(p: torch.Tensor, g: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
-    """One torch.optim.AdamW step (its single-tensor path, op for op) on plain tensors; the step
-    count ``state["step"]`` has already been advanced."""
-    beta1, beta2 = group["betas"]
-    lr, t = group["lr"], state[STEP]
-    m, v = local(state[EXP_AVG]), local(state[EXP_AVG_SQ])
-    p.mul_(1.0 - lr * group["weight_decay"])
-    m.lerp_(g, 1.0 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-    denom = (v.sqrt() / math.sqrt(1.0 - beta2**t)).add_(group["eps"])
-    p.addcdiv_(m, denom, value=-lr / (1.0 - beta1**t))
 
 
 class MatrixOptimizer(OwnerPlaced, torch.optim.Optimizer):
@@ -199,7 +187,11 @@ class MatrixOptimizer(OwnerPlaced, torch.optim.Optimizer):
         if group["matrix"]:
             self._matrix_update(p, g, state, group)
         else:
-            adamw_step_(p, g, state, group)
+            beta1, beta2 = group["betas"]
+            m, v = local(state[EXP_AVG]), local(state[EXP_AVG_SQ])
+            adamw_step_(
+                p, g, m, v, state[STEP], group["lr"], beta1, beta2, group["eps"], group["weight_decay"]
+            )
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -312,4 +304,4 @@ def newton_schulz_orthogonalise(
     return y.T if tall else y
 
 
-__all__ = ["ROLES", "MatrixOptimizer", "adamw_step_", "newton_schulz_orthogonalise", "nonzero_flags"]
+__all__ = ["ROLES", "MatrixOptimizer", "newton_schulz_orthogonalise", "nonzero_flags"]

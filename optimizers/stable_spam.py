@@ -24,44 +24,13 @@ from typing import Any
 
 import torch
 
+from optimizers._adam import adamw_step_
 from optimizers._sharded import local as _local
 from optimizers._sharded import shard_group as _shard_group
 from optimizers._sharded import whole_max_abs as _whole_max_abs
 from optimizers._sharded import whole_norm as _whole_norm
 
 __all__ = ["SPAM", "StableSPAM"]
-
-
-def _adamw_update_(
-    p: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    lr_mult: float = 1.0,
-) -> None:
-    """One decoupled-weight-decay Adam step, in the exact operation order of torch.optim.AdamW.
-
-    The order (decay first, lerp for m, eps added after the bias-corrected sqrt) is mirrored
-    op for op so that, with every extra feature switched off, the result is bitwise that of
-    torch.optim.AdamW(foreach=False). `lr_mult` scales the Adam step only, not the decay.
-    """
-    if weight_decay != 0:
-        p.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-    step_size = lr / bias_correction1
-    if lr_mult != 1.0:
-        step_size = step_size * lr_mult
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    p.addcdiv_(exp_avg, denom, value=-step_size)
 
 
 def _init_adam_state(state: dict[str, Any], p: torch.Tensor) -> None:
@@ -285,7 +254,7 @@ class StableSPAM(torch.optim.Optimizer):
             grad = _norm_scale(grad, state, group, s, t_stats, shards)
 
         beta1, beta2 = group["betas"]
-        _adamw_update_(
+        adamw_step_(
             _local(p),
             grad,
             _local(state["exp_avg"]),
@@ -496,7 +465,7 @@ class SPAM(torch.optim.Optimizer):
                     spike = grad * grad > bound
                     grad = torch.where(spike, grad.sign() * bound.sqrt(), grad)
 
-                _adamw_update_(
+                adamw_step_(
                     _local(p),
                     grad,
                     _local(state["exp_avg"]),
