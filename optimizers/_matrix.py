@@ -43,7 +43,7 @@ import torch
 
 from optimizers._adam import adamw_step_
 from optimizers._owners import DEFAULT_BUCKET_BYTES, OwnerPlaced
-from optimizers._sharded import is_dtensor, local, nonzero_flags, whole, write_whole_
+from optimizers._sharded import is_dtensor, local, nonzero_flags
 
 STEP = "step"
 EXP_AVG = "exp_avg"
@@ -195,41 +195,14 @@ class MatrixOptimizer(OwnerPlaced, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One optimisation step over all parameters that have a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        entries = [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if not entries:
-            return loss
-        if any(p.grad.is_sparse for _, p in entries):
-            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-        owned: list[tuple[dict[str, Any], torch.Tensor]] = []
-        for (group, p), nonzero in zip(entries, nonzero_flags([p.grad for _, p in entries])):
-            whole_step = self.steps_whole(group) and is_dtensor(p)
-            if whole_step and self.whole_matrix == "owner":
-                if nonzero:
-                    owned.append((group, p))
-                elif not self.state.get(p) and self.holds_state(p):
-                    # A zero-gradient (dummy) step allocates the owner's whole state and nothing else.
-                    self._init_state(_whole_shaped(p), group, self.state[p])
-                continue
-            state = self.state[p]
-            if not state:
-                # "gather": the matrix state is whole (plain tensors) on every rank.
-                self._init_state(_whole_shaped(p) if whole_step else p, group, state)
-            if not nonzero:
-                continue
-            if whole_step:  # "gather": the whole W and G on every rank, each keeps its rows
-                weight = whole(p)
-                self._step_one(weight, whole(p.grad), state, group)
-                write_whole_(p, weight)
-            else:
-                self._step_one(local(p), local(p.grad), state, group)
-        if owned:
-            self._owner_steps(owned)
-        return loss
+        """One optimisation step over all parameters that have a gradient (placed by
+        `OwnerPlaced._placed_step`: under FSDP2 a matrix whose rule is not row-local steps whole)."""
+        return self._placed_step(
+            closure,
+            steps_whole=lambda group, p: self.steps_whole(group),
+            step_one=lambda w, g, state, group, index: self._step_one(w, g, state, group),
+            init_state=lambda ref, group, state, index: self._init_state(ref, group, state),
+        )
 
     # ------------------------------------------------------------------ FSDP2
 
@@ -244,21 +217,6 @@ class MatrixOptimizer(OwnerPlaced, torch.optim.Optimizer):
         """Whether a group's weights need the whole matrix (a matrix group whose role is not
         row-local): under FSDP2 they step on owner ranks, which alone hold their state."""
         return bool(group.get("matrix", False)) and group.get("role", "hidden") not in cls.ROW_LOCAL_ROLES
-
-    def _owner_steps(self, entries: list[tuple[dict[str, Any], torch.Tensor]]) -> None:
-        """The matrix weights' steps, each once on its owner rank (a collective: every rank calls
-        it with the same `entries`)."""
-        owners = self.owner_ranks()
-        assert owners is not None
-        where = {id(p): group for group, p in entries}
-
-        def step(p: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) -> None:
-            group, state = where[id(p)], self.state[p]
-            if not state:
-                self._init_state(weight, group, state)  # whole-shaped: plain tensors
-            self._step_one(weight, grad, state, group)
-
-        owners.step_each([p for _, p in entries], step)
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -276,12 +234,6 @@ class MatrixOptimizer(OwnerPlaced, torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         for p, k, v in keep:
             self.state[p][k] = v.to(device=p.device)
-
-
-def _whole_shaped(p: torch.Tensor) -> torch.Tensor:
-    """A plain stand-in with the whole shape, dtype and local device of DTensor `p` (no storage),
-    for allocating whole-matrix state with ``zeros_like``."""
-    return torch.empty((), dtype=p.dtype, device=local(p).device).expand(p.shape)
 
 
 def newton_schulz_orthogonalise(

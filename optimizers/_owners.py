@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from optimizers._sharded import COMM, local
+from optimizers._sharded import COMM, is_dtensor, local, nonzero_flags, whole, write_whole_
 
 DEFAULT_BUCKET_BYTES = 1 << 26
 """Bytes of whole W and G one owner gathers per bucket (64 MiB; a larger parameter goes alone)."""
@@ -136,6 +136,102 @@ class OwnerPlaced:
         """Whether this process holds `p`'s state: False only for a weight another rank owns."""
         owners = self.owner_ranks()
         return owners is None or owners.owns(p)
+
+    def _placed_step(
+        self,
+        closure: Callable[[], Any] | None,
+        *,
+        steps_whole: Callable[[dict[str, Any], torch.Tensor], bool],
+        step_one: Callable[[torch.Tensor, torch.Tensor, dict[str, Any], dict[str, Any], int], None],
+        init_state: Callable[[torch.Tensor, dict[str, Any], dict[str, Any], int], None] | None = None,
+        skip_zero: bool = True,
+    ) -> Any:
+        """The one placement driver of a ``step()``: the closure, then every parameter with a
+        gradient stepped where it belongs.
+
+        - a plain parameter, or an FSDP2 shard whose rule is element-wise: on this rank's local
+          tensors (its state sharded like the parameter);
+        - a sharded weight whose step needs the whole tensor (``steps_whole(group, p)``):
+          ``whole_matrix="owner"`` once, on its owner rank (`OwnerRanks.step_each`, a collective),
+          ``"gather"`` on every rank's gathered copy, each keeping its rows.
+
+        With `skip_zero`, a parameter whose whole gradient is zero (a checkpoint loader's dummy
+        step; `nonzero_flags`, one decision on every rank) only gets its state allocated
+        (`init_state`, whole-shaped where it steps whole; on the owner alone), and nothing moves.
+        `step_one(weight, grad, state, group, index)` is the method's rule on plain tensors;
+        `index` is the parameter's position in the optimizer (seeds per parameter).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        entries = self._entries_with_grad()
+        live = (
+            nonzero_flags([q.grad for _, q, _ in entries]) if skip_zero and entries else [True] * len(entries)
+        )
+        owned: list[tuple[dict[str, Any], torch.Tensor, int]] = []
+        for (group, q, idx), nonzero in zip(entries, live):
+            whole_step = is_dtensor(q) and steps_whole(group, q)
+            if whole_step and self.whole_matrix == "owner":
+                # No state entry on a rank that does not own `q` (not even an empty one).
+                if nonzero:
+                    owned.append((group, q, idx))
+                elif not self.state.get(q) and init_state is not None and self.holds_state(q):  # type: ignore[attr-defined]
+                    init_state(whole_shaped(q), group, self.state[q], idx)  # type: ignore[attr-defined]
+                continue
+            state = self.state[q]  # type: ignore[attr-defined]
+            if not state and init_state is not None:
+                init_state(whole_shaped(q) if whole_step else q, group, state, idx)
+            if not nonzero:
+                continue
+            if whole_step:  # "gather": the whole W and G on every rank, each keeps its rows
+                weight = whole(q)
+                step_one(weight, whole(q.grad), state, group, idx)
+                write_whole_(q, weight)
+            else:
+                step_one(local(q), local(q.grad), state, group, idx)
+        if owned:
+            self._owner_steps(owned, step_one, init_state)
+        return loss
+
+    def _entries_with_grad(self) -> list[tuple[dict[str, Any], torch.Tensor, int]]:
+        """(group, parameter, index) of every parameter with a gradient; sparse ones refused."""
+        entries, index = [], 0
+        for group in self.param_groups:  # type: ignore[attr-defined]
+            for q in group["params"]:
+                if q.grad is not None:
+                    if q.grad.is_sparse:
+                        raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                    entries.append((group, q, index))
+                index += 1
+        return entries
+
+    def _owner_steps(
+        self,
+        entries: list[tuple[dict[str, Any], torch.Tensor, int]],
+        step_one: Callable[[torch.Tensor, torch.Tensor, dict[str, Any], dict[str, Any], int], None],
+        init_state: Callable[[torch.Tensor, dict[str, Any], dict[str, Any], int], None] | None,
+    ) -> None:
+        """The whole-tensor steps of sharded weights, each once on its owner rank (a collective:
+        every rank calls it with the same `entries`)."""
+        owners = self.owner_ranks()
+        assert owners is not None
+        where = {id(q): (group, idx) for group, q, idx in entries}
+
+        def step(q: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) -> None:
+            group, idx = where[id(q)]
+            state = self.state[q]  # type: ignore[attr-defined]
+            if not state and init_state is not None:
+                init_state(weight, group, state, idx)  # whole-shaped: plain tensors
+            step_one(weight, grad, state, group, idx)
+
+        owners.step_each([q for _, q, _ in entries], step)
+
+
+def whole_shaped(p: torch.Tensor) -> torch.Tensor:
+    """A plain stand-in with the whole shape, dtype and local device of DTensor `p` (no storage),
+    for allocating whole-tensor state with ``zeros_like``."""
+    return torch.empty((), dtype=p.dtype, device=local(p).device).expand(p.shape)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -271,10 +367,10 @@ class OwnerRanks:
         offset = 0
         for s in range(self.world):
             for p in mine:
-                for whole in out[p]:
-                    row = _row_bytes(whole)
-                    start, n = sum(shard_rows(whole.shape[0], self.world)[:s]) * row, rows_of(whole, s)
-                    _bytes_view(whole)[start : start + n].copy_(data[offset : offset + n])
+                for full in out[p]:
+                    row = _row_bytes(full)
+                    start, n = sum(shard_rows(full.shape[0], self.world)[:s]) * row, rows_of(full, s)
+                    _bytes_view(full)[start : start + n].copy_(data[offset : offset + n])
                     offset += n
         return out
 

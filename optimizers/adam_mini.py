@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 
 from optimizers._owners import DEFAULT_BUCKET_BYTES, OwnerPlaced
-from optimizers._sharded import is_dtensor, whole, write_whole_
+from optimizers._sharded import is_dtensor
 
 #: Group key: how many consecutive dim-0 slices (rows) form one block; None: the default partition.
 BLOCK_ROWS = "block_rows"
@@ -145,37 +145,19 @@ class AdamMini(OwnerPlaced, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One optimisation step over every parameter that has a gradient.
+        """One optimisation step over every parameter that has a gradient (placed by
+        `OwnerPlaced._placed_step`: under FSDP2 every weight steps whole, since a head or norm
+        block can straddle two ranks' rows).
 
         Args:
             closure: re-evaluates the model and returns the loss (run with grad enabled).
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        owned: list[torch.Tensor] = []
-        where: dict[int, dict[str, Any]] = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("AdamMini does not support sparse gradients")
-                if not is_dtensor(p):
-                    self._param_step(p, p.grad, self.state[p], group)
-                elif self.whole_matrix == "owner":
-                    owned.append(p)
-                    where[id(p)] = group
-                else:  # "gather": the whole step on every rank, each keeps its rows
-                    weight = whole(p)
-                    self._param_step(weight, whole(p.grad), self.state[p], group)
-                    write_whole_(p, weight)
-        if owned:
-            owners = self.owner_ranks()
-            assert owners is not None
-            owners.step_each(owned, lambda p, w, g: self._param_step(w, g, self.state[p], where[id(p)]))
-        return loss
+        return self._placed_step(
+            closure,
+            steps_whole=lambda group, p: True,
+            step_one=lambda w, g, state, group, index: self._param_step(w, g, state, group),
+            skip_zero=False,
+        )
 
 
 __all__ = ["BLOCK_ROWS", "AdamMini", "num_blocks"]

@@ -106,7 +106,6 @@ from optimizers._adam import (
 )
 from optimizers._owners import DEFAULT_BUCKET_BYTES, OwnerPlaced
 from optimizers._sharded import is_dtensor as _is_dtensor
-from optimizers._sharded import local, nonzero_flags, whole, write_whole_
 from optimizers.bases import (
     BASIS,
     COMPUTED_BASIS,
@@ -419,53 +418,25 @@ class ProjectedAdam(OwnerPlaced, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One optimisation step over all parameters that have a gradient.
+        """One optimisation step over all parameters that have a gradient (placed by
+        `OwnerPlaced._placed_step`: a projected weight, and any weight whose moments are not
+        element-wise, steps whole under FSDP2, on its owner rank or gathered on every rank so that
+        the basis, Fira's and APOLLO's norms and the 8-bit blocks are a single process's).
 
         Args:
             closure: re-evaluates the model and returns the loss (run with grad enabled).
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        entries: list[tuple[dict[str, Any], torch.Tensor, int]] = []
-        index = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    if p.grad.is_sparse:
-                        raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                    entries.append((group, p, index))
-                index += 1
-        if not entries:
-            return loss
-        live = nonzero_flags([p.grad for _, p, _ in entries])
-        owned: list[tuple[dict[str, Any], torch.Tensor, int]] = []
-        for (group, p, idx), nonzero in zip(entries, live):
-            whole_step = _is_dtensor(p) and (group["project"] or not self.moments.ELEMENTWISE)
-            if whole_step and self.whole_matrix == "owner":
-                if nonzero:
-                    owned.append((group, p, idx))
-                elif not self.state.get(p) and self.holds_state(p):
-                    # A zero-gradient (dummy) step allocates the owner's state and nothing else.
-                    shaped = torch.empty((), dtype=p.dtype, device=local(p).device).expand(p.shape)
-                    self._init_state(shaped, group, self.state[p], idx)
-                continue
-            state = self.state[p]
-            if not state:
-                self._init_state(p, group, state, idx)
-            if not nonzero:
-                continue
-            step_fn = self._projected_step if group["project"] else self._dense_step
-            if whole_step:
-                self._whole_step_sharded(p, state, group, step_fn)
-            else:  # an FSDP2 shard steps as the plain local tensors: the fused kernel applies
-                step_fn(local(p), local(p.grad), state, group)
-        if owned:
-            self._owner_steps(owned)
-        return loss
+        return self._placed_step(
+            closure, steps_whole=self._steps_whole, step_one=self._step_one, init_state=self._init_state
+        )
 
-    # ------------------------------------------------------------------ FSDP2
+    def _steps_whole(self, group: dict[str, Any], p: torch.Tensor) -> bool:
+        return bool(group["project"]) or not self.moments.ELEMENTWISE
+
+    def _step_one(
+        self, w: torch.Tensor, g: torch.Tensor, state: dict[str, Any], group: dict[str, Any], index: int
+    ) -> None:
+        (self._projected_step if group["project"] else self._dense_step)(w, g, state, group)
 
     def _whole_step_params(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
         """The sharded parameters whose step needs the whole matrix, in the optimizer's order."""
@@ -473,56 +444,8 @@ class ProjectedAdam(OwnerPlaced, torch.optim.Optimizer):
             (p, g)
             for g in self.param_groups
             for p in g["params"]
-            if _is_dtensor(p) and (g["project"] or not self.moments.ELEMENTWISE)
+            if _is_dtensor(p) and self._steps_whole(g, p)
         ]
-
-    def _owner_steps(self, entries: list[tuple[dict[str, Any], torch.Tensor, int]]) -> None:
-        """The whole-matrix steps of sharded parameters, each once on its owner rank (a collective:
-        every rank calls it with the same `entries`, the parameters with a nonzero gradient)."""
-        owners = self.owner_ranks()
-        assert owners is not None
-        where = {id(p): (group, idx) for group, p, idx in entries}
-
-        def step(p: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) -> None:
-            group, idx = where[id(p)]
-            state = self.state[p]
-            if not state:
-                self._init_state(weight, group, state, idx)  # whole-shaped: plain tensors
-            step_fn = self._projected_step if group["project"] else self._dense_step
-            step_fn(weight, grad, state, group)
-
-        owners.step_each([p for _, p, _ in entries], step)
-
-    def _whole_step_sharded(
-        self,
-        p: torch.Tensor,
-        state: dict[str, Any],
-        group: dict[str, Any],
-        step_fn: Callable[[torch.Tensor, torch.Tensor, dict[str, Any], dict[str, Any]], None],
-    ) -> None:
-        """``whole_matrix="gather"``: `step_fn` (the projected step, or the dense one of
-        non-element-wise moments) of an FSDP2-sharded (DTensor) weight, run on the whole matrix
-        on every rank.
-
-        The basis needs the whole gradient, and Fira's and APOLLO's norms are over the whole
-        matrix, so every rank all-gathers the full gradient G and the full weight W, runs exactly
-        the single-process step on them (same basis on every rank: same inputs, same seeds), and
-        keeps its own shard of the updated W. The projected state (low-rank moments, basis) is
-        therefore replicated, not sharded: its size is already O((m + n) r).
-
-        Cost per projected m x n weight and step, world size N, itemsize s: two all-gathers (G and
-        W) of (N - 1)/N m n s bytes received each, and two transient full m x n buffers on every
-        rank (freed after the step); the basis computation is repeated on every rank instead of
-        being communicated. Gathering W keeps every method's update rule (in-place on W, weight
-        decay included) bitwise identical to a single process.
-
-        Moment storage that is not element-wise (8-bit block-wise quantisation:
-        `AdamMoments.ELEMENTWISE` False) steps its non-projected weights this way too, so the
-        8-bit blocks are those of a single process; that state is then whole on every rank as well.
-        """
-        weight = whole(p)
-        step_fn(weight, whole(p.grad), state, group)
-        write_whole_(p, weight)  # identical on every rank: each keeps its own chunk
 
     # ------------------------------------------------------------------ checkpoint
 
