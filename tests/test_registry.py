@@ -22,6 +22,7 @@ import optimizers
 from effpretrain.config import ConfigError, OptimConfig, load_config
 from effpretrain.memory import estimate
 from effpretrain.trainer import train
+from optimizers._matrix import MatrixOptimizer
 from optimizers.galore import GaLoreAdamW
 
 
@@ -66,6 +67,17 @@ class ToySGD(torch.optim.Optimizer):
         return loss
 
 
+class ToySign(MatrixOptimizer):
+    """A whole-matrix method written as its rule alone, on the attention/MLP weights (AdamW on the
+    rest): the gradient scaled by the whole matrix's RMS over its largest entry,
+    W <- W (1 - eta lambda) - eta G rms(G) / max|G|. The shared base gives it the param groups,
+    AdamW, the placement under FSDP2, the state formula (stateless matrices) and the contract."""
+
+    def _matrix_update(self, p: torch.Tensor, g: torch.Tensor, state: dict, group: dict) -> None:
+        scale = g.pow(2).mean().sqrt() / g.abs().max().clamp_min(1e-30)
+        p.mul_(1.0 - group["lr"] * group["weight_decay"]).add_(g * scale, alpha=-group["lr"])
+
+
 class ToyProjected(GaLoreAdamW):
     """A projecting method: GaLore under another name (its own class, so the registry must carry
     it: nothing in the toolkit knows this class)."""
@@ -73,10 +85,18 @@ class ToyProjected(GaLoreAdamW):
 
 TOY_SGD = optimizers.MethodSpec(name="toy_sgd", target=f"{__name__}:ToySGD")
 TOY_PROJECTED = optimizers.MethodSpec(name="toy_projected", target=f"{__name__}:ToyProjected", projects=True)
+TOY_SIGN = optimizers.MethodSpec(name="toy_sign", target=f"{__name__}:ToySign", matrix_params="hidden")
+TOYS = (TOY_SGD, TOY_PROJECTED, TOY_SIGN)
 #: How the contract runs the toys (a real method's is the CONTRACT of its tests/optimizers/test_<name>.py).
 CONTRACTS = {
     "toy_sgd": harness.Case(
         reduces="does not reduce: SGD keeps no second moment", state_keys=("momentum_buffer",), loss_lr=0.15
+    ),
+    "toy_sign": harness.Case(
+        reduces="does not reduce: sign descent is not Adam's rule",
+        state_keys=("step",),
+        loss_lr=1.0,
+        loss_steps=100,
     ),
     "toy_projected": harness.Case(
         reduces=(
@@ -96,14 +116,14 @@ CONTRACTS = {
 
 @pytest.fixture
 def toys():
-    """Both toys registered for one test, unregistered after it."""
-    assert "toy_sgd" not in optimizers.METHODS and "toy_projected" not in optimizers.METHODS
+    """The toys registered for one test, unregistered after it."""
+    assert not any(spec.name in optimizers.METHODS for spec in TOYS)
     with pytest.raises(ConfigError, match="optim.name='toy_sgd' is not one of"):
         load_config(None, ["optim.name=toy_sgd"])
-    for spec in (TOY_SGD, TOY_PROJECTED):
+    for spec in TOYS:
         optimizers.register(spec)
     yield
-    for spec in (TOY_SGD, TOY_PROJECTED):
+    for spec in TOYS:
         optimizers.unregister(spec.name)
 
 
@@ -130,25 +150,26 @@ def test_estimator_counts_the_toys_state_with_its_formula(toys) -> None:
     assert toy.optimizer_state == galore.optimizer_state < adamw.optimizer_state
 
 
-@pytest.mark.parametrize("name", ["toy_sgd", "toy_projected"])
+@pytest.mark.parametrize("name", ["toy_sgd", "toy_projected", "toy_sign"])
 def test_trainer_trains_a_registered_method(toys, name: str, tmp_path, tiny_overrides) -> None:
     over = [*tiny_overrides, "train.max_steps=3", "train.eval_every=3", f"optim.name={name}", "optim.rank=16"]
     summary = train(load_config(None, over), tmp_path / "run")
     assert summary["steps"] == 3 and math.isfinite(summary["final_val_loss"])
     assert summary["optimizer_state_bytes"] == summary["estimated"]["optimizer_state"]
-    if optimizers.METHODS[name].projects:
-        # The param-group rules projected the attention/MLP weights: far below AdamW's 2x weights.
+    if optimizers.METHODS[name].projects or optimizers.METHODS[name].matrix_params:
+        # The param-group rules projected (or gave the stateless rule) the attention/MLP weights:
+        # far below AdamW's 2x weights.
         assert summary["optimizer_state_bytes"] < summary["weight_bytes"]
     else:
         assert summary["optimizer_state_bytes"] == summary["weight_bytes"]  # its formula: one buffer
 
 
-@pytest.mark.parametrize("name", ["toy_sgd", "toy_projected"])
+@pytest.mark.parametrize("name", ["toy_sgd", "toy_projected", "toy_sign"])
 def test_contract_checks_accept_a_registered_method(toys, name: str) -> None:
     """Every contract check test_contract.py runs for a registered method passes for the toy."""
     done = harness.run_contract(name, CONTRACTS[name])
     checks = {run.split("[")[0] for run in done}
     # Each check that applies ran at least once (the toy SGD reduces to nothing, so it has no
     # reduction run; it does not project, so the projected checks do not apply).
-    skipped = {"test_reduces_to_torch_adamw"} if name == "toy_sgd" else set()
+    skipped = {"test_reduces_to_torch_adamw"} if name in ("toy_sgd", "toy_sign") else set()
     assert checks == {c.test for c in harness.CONTRACT_CHECKS if c.applies(name)} - skipped
