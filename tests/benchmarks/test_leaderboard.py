@@ -20,7 +20,12 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
 def _load_leaderboard():
-    return load("leaderboard")
+    """The leaderboard package (benchmarks/leaderboard/), put on the import path by the loader of
+    its command-line script."""
+    load("leaderboard")
+    import leaderboard
+
+    return leaderboard
 
 
 lb = _load_leaderboard()
@@ -140,7 +145,7 @@ def test_forked_runner_isolates_errors_and_hard_crashes(tmp_path, monkeypatch):
             os.kill(os.getpid(), signal.SIGKILL)  # what a segfault or the OOM killer looks like
         (run_dir / "summary.json").write_text("{}")
 
-    monkeypatch.setattr(lb, "train_spec", fake_train)
+    monkeypatch.setattr(lb.run, "train_spec", fake_train)
     lb.forked_runner(_spec("ok-tiny-seed0"), tmp_path)
     assert (tmp_path / "summary.json").is_file()
     with pytest.raises(RuntimeError, match="ValueError: bad optimizer state"):
@@ -347,7 +352,7 @@ def test_paper_prints_a_published_method_once_registered_and_notes_the_others(tm
         )
     )
     optimizers.register(optimizers.MethodSpec(name="notyet", target="effpretrain_missing_backend:Opt"))
-    monkeypatch.setattr(lb, "RECIPES", tmp_path)  # the paper recipes: only the toys' (fast)
+    monkeypatch.setattr(lb.cli, "RECIPES", tmp_path)  # the paper recipes: only the toys' (fast)
     try:
         assert "toymuon" in paper.published_methods()
         assert not any(s.startswith("toymuon") for s in paper.skipped_methods())

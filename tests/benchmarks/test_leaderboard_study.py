@@ -317,7 +317,7 @@ def _fake_train(calls):
 
 def test_fixture_grid_sweeps_selects_flags_runs_seeds_and_resumes_from_results_alone(tmp_path, monkeypatch):
     recipes = [ROOT / "recipes" / "tiny" / f"{m}.yaml" for m in BASE]
-    monkeypatch.setattr(lb, "grid_recipes", lambda grid: list(recipes))
+    monkeypatch.setattr(lb.cli, "grid_recipes", lambda grid: list(recipes))
     out = tmp_path / "study"
     argv = ["--grid", "tiny", "--sweep", "lr=x0.5,x1,x2", "--seeds", "0,1,2", "--tokens", "20480"]
     argv += ["--out", str(out), "--no-plots"]
@@ -425,8 +425,8 @@ def test_jobs_run_forked_runs_side_by_side_on_a_share_of_the_cores(tmp_path, mon
         record = {"start": start, "end": time.time(), "threads": torch.get_num_threads()}
         (run_dir / "summary.json").write_text(json.dumps(record))
 
-    monkeypatch.setattr(lb, "train_spec", fake_train)
-    monkeypatch.setattr(lb, "prewarm_imports", lambda: None)
+    monkeypatch.setattr(lb.run, "train_spec", fake_train)
+    monkeypatch.setattr(lb.run, "prewarm_imports", lambda: None)
     specs = [
         lb.RunSpec(f"m{i}-tiny-seed0", "recipes/tiny/adamw.yaml", f"m{i}", "tiny", 0, 1, 1, (), "h")
         for i in range(3)
@@ -455,8 +455,8 @@ def test_jobs_sigterm_stops_every_running_run_and_starts_no_more(tmp_path, monke
         (run_dir / "stopped").write_text("")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(lb, "train_spec", fake_train)
-    monkeypatch.setattr(lb, "prewarm_imports", lambda: None)
+    monkeypatch.setattr(lb.run, "train_spec", fake_train)
+    monkeypatch.setattr(lb.run, "prewarm_imports", lambda: None)
     specs = [
         lb.RunSpec(f"m{i}-tiny-seed0", "recipes/tiny/adamw.yaml", f"m{i}", "tiny", 0, 1, 1, (), "h")
         for i in range(3)
