@@ -6,6 +6,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from leaderboard.common import GRIDS, MIN_STEPS, MIN_TOKENS_PER_STEP, RECIPES, ROOT, BadInput
 
@@ -132,12 +133,11 @@ def plan_runs(
     Returns:
         The runs, in recipe order, then sweep point order, then seed order.
     """
-    from effpretrain.config import config_hash, load_config
+    from effpretrain.config import load_config
     from effpretrain.errors import ConfigError
 
     wanted = set(methods) if methods is not None else None
     specs: list[RunSpec] = []
-    seen: set[str] = set()
     for recipe in recipes:
         try:
             base = load_config(recipe, list(extra_overrides))
@@ -145,17 +145,9 @@ def plan_runs(
             raise BadInput(str(e)) from None
         if wanted is not None and base.method not in wanted:
             continue
+        points = _lr_points(base, sweep, lrs)
         t = base.train
-        per_step = t.batch_size * t.grad_accum * base.data.seq_len
         steps = steps_for_tokens(tokens, t.batch_size, t.grad_accum, base.data.seq_len)
-        if sweep is not None:
-            points: list[tuple[str | None, float]] = [(p.label, p.lr(base.optim.lr)) for p in sweep]
-        elif lrs is not None:
-            if (base.model.preset, base.method) not in lrs:
-                continue
-            points = [(None, lrs[base.model.preset, base.method])]
-        else:
-            points = [(None, base.optim.lr)]
         for label, lr in points:
             for seed in seeds:
                 overrides = (
@@ -166,36 +158,59 @@ def plan_runs(
                     "train.save_every=0",  # only the final checkpoint: mid-run saves only cost time here
                     f"train.seed={seed}",
                 )
-                cfg = load_config(recipe, list(overrides))
-                trial = f"-sweep-lr{label}" if label is not None else ""
-                name = f"{cfg.method}-{cfg.model.preset}{trial}-seed{seed}"
-                if name in seen:
-                    raise BadInput(
-                        f"two recipes give the same run name {name!r}: set a distinct `method` in one"
-                    )
-                seen.add(name)
-                specs.append(
-                    RunSpec(
-                        name=name,
-                        recipe=_display_path(recipe),
-                        method=cfg.method,
-                        model=cfg.model.preset,
-                        seed=seed,
-                        token_budget=tokens,
-                        steps=steps,
-                        overrides=overrides,
-                        config_hash=config_hash(cfg),
-                        phase="sweep" if sweep is not None else "final",
-                        lr=cfg.optim.lr,
-                        lr_label=label,
-                        tokens_per_step=per_step,
-                    )
-                )
+                specs.append(_spec(recipe, overrides, label, seed, tokens, steps, sweep is not None))
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        twice = next(n for n in names if names.count(n) > 1)
+        raise BadInput(f"two recipes give the same run name {twice!r}: set a distinct `method` in one")
     if wanted is not None:
         missing = wanted - {s.method for s in specs}
         if missing and lrs is None:
             raise BadInput(f"--methods: no recipe for {', '.join(sorted(missing))}")
     return specs
+
+
+def _lr_points(
+    base: Any, sweep: Sequence[LrPoint] | None, lrs: Mapping[tuple[str, str], float] | None
+) -> list[tuple[str | None, float]]:
+    """(sweep label, lr) of each run of a recipe: the sweep's points, the chosen lr (none when the
+    sweep chose nothing for it), or the recipe's own lr."""
+    if sweep is not None:
+        return [(p.label, p.lr(base.optim.lr)) for p in sweep]
+    if lrs is not None:
+        key = (base.model.preset, base.method)
+        return [(None, lrs[key])] if key in lrs else []
+    return [(None, base.optim.lr)]
+
+
+def _spec(
+    recipe: Path,
+    overrides: tuple[str, ...],
+    label: str | None,
+    seed: int,
+    tokens: int,
+    steps: int,
+    sweep: bool,
+) -> RunSpec:
+    from effpretrain.config import config_hash, load_config
+
+    cfg = load_config(recipe, list(overrides))
+    trial = f"-sweep-lr{label}" if label is not None else ""
+    return RunSpec(
+        name=f"{cfg.method}-{cfg.model.preset}{trial}-seed{seed}",
+        recipe=_display_path(recipe),
+        method=cfg.method,
+        model=cfg.model.preset,
+        seed=seed,
+        token_budget=tokens,
+        steps=steps,
+        overrides=overrides,
+        config_hash=config_hash(cfg),
+        phase="sweep" if sweep else "final",
+        lr=cfg.optim.lr,
+        lr_label=label,
+        tokens_per_step=cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len,
+    )
 
 
 def budget_warnings(specs: Iterable[RunSpec]) -> list[str]:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from leaderboard.collect import ResultRow, write_jsonl
-from leaderboard.fmt import _groups, pareto_front
+from leaderboard.fmt import _Group, _groups, pareto_front
 from leaderboard.render import render_markdown
 
 # Plots
@@ -23,14 +25,37 @@ def plot_all(rows: Sequence[ResultRow], out: Path) -> list[str]:
     groups = _groups(rows)
     if not groups:
         return []
-    models = list(groups)
     methods = sorted({g.method for gs in groups.values() for g in gs})
     # tab20 plus a marker per block of 20 keeps every method distinguishable.
-    colors = {m: plt.get_cmap("tab20")(i % 20) for i, m in enumerate(methods)}
-    markers = {m: "os^Dv<>p"[(i // 20) % 8] for i, m in enumerate(methods)}
+    style = _Style(
+        colors={m: plt.get_cmap("tab20")(i % 20) for i, m in enumerate(methods)},
+        markers={m: "os^Dv<>p"[(i // 20) % 8] for i, m in enumerate(methods)},
+        methods=methods,
+    )
     written = []
+    for name, draw in (
+        ("memory_vs_ppl.png", _memory_vs_ppl),
+        ("val_curves.png", _val_curves),
+        ("memory_breakdown.png", _memory_breakdown),
+    ):
+        fig = draw(plt, groups, style)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
+        written.append(name)
+    return written
 
-    # Memory vs perplexity, estimated and measured, with the Pareto front per model.
+
+@dataclass(frozen=True)
+class _Style:
+    colors: dict[str, Any]
+    markers: dict[str, str]
+    methods: list[str]
+
+
+def _memory_vs_ppl(plt: Any, groups: dict[str, list[_Group]], style: _Style) -> Any:
+    """Memory vs perplexity, estimated and measured, with the Pareto front per model."""
+    models, colors = list(groups), style.colors
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.2), squeeze=False)
     panels = (("estimated", "total", "estimated memory"), ("measured", "peak", "measured peak tensor memory"))
     for ax, (key, sub, title) in zip(axes[0], panels):
@@ -54,12 +79,12 @@ def plot_all(rows: Sequence[ResultRow], out: Path) -> list[str]:
             ax.step(*zip(*front), "--", where="post", color="grey", lw=1, label=label)
         ax.set(xlabel=f"{title} (MB)", ylabel="validation perplexity", title=f"{title} vs perplexity")
         ax.legend(loc="best", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "memory_vs_ppl.png", dpi=100)
-    plt.close(fig)
-    written.append("memory_vs_ppl.png")
+    return fig
 
-    # Validation curves: mean over seeds at each token count, one panel per model.
+
+def _val_curves(plt: Any, groups: dict[str, list[_Group]], style: _Style) -> Any:
+    """Validation curves: mean over seeds at each token count, one panel per model."""
+    models, colors, markers = list(groups), style.colors, style.markers
     fig, axes = plt.subplots(1, len(models), figsize=(8 * len(models), 4.6), squeeze=False)
     for ax, model in zip(axes[0], models):
         for g in groups[model]:
@@ -74,12 +99,12 @@ def plot_all(rows: Sequence[ResultRow], out: Path) -> list[str]:
         ax.set(xlabel="tokens", ylabel="validation perplexity", title=f"{model}: validation perplexity")
         ax.set_yscale("log")
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    fig.savefig(out / "val_curves.png", dpi=100)
-    plt.close(fig)
-    written.append("val_curves.png")
+    return fig
 
-    # Estimated memory breakdown: stacked bars per method, one panel per model.
+
+def _memory_breakdown(plt: Any, groups: dict[str, list[_Group]], style: _Style) -> Any:
+    """Estimated memory breakdown: stacked bars per method, one panel per model."""
+    models, methods = list(groups), style.methods
     parts = (
         ("weights", "weights"),
         ("grads", "gradients"),
@@ -100,11 +125,7 @@ def plot_all(rows: Sequence[ResultRow], out: Path) -> list[str]:
         for tick in ax.get_xticklabels():
             tick.set_horizontalalignment("right")
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    fig.savefig(out / "memory_breakdown.png", dpi=100)
-    plt.close(fig)
-    written.append("memory_breakdown.png")
-    return written
+    return fig
 
 
 def publish(rows: Sequence[ResultRow], out: Path, plots: bool = True) -> None:

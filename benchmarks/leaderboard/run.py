@@ -120,64 +120,78 @@ def run_forked(
     the children too) and SIGTERM start no new run and wait for the running ones to save and stop,
     then raise KeyboardInterrupt.
     """
-    import multiprocessing as mp
-    from multiprocessing.connection import wait
-
-    ctx = mp.get_context("fork")
-    pending = list(items)
-    running: dict[Any, tuple[Any, RunSpec]] = {}
-    interrupted = False
+    pool = _ForkPool(threads, on_done)
 
     def forward_sigterm(signum: int, _frame: Any) -> None:
         # An orphaned child would train on: pass the signal on, it saves a checkpoint and stops.
-        nonlocal interrupted
-        interrupted = True
-        for child, _ in running.values():
+        pool.interrupted = True
+        for child, _ in pool.running.values():
             os.kill(child.pid, signum)
 
     try:
         old_handler = signal.signal(signal.SIGTERM, forward_sigterm)
     except ValueError:  # not the main thread: signals stay with whoever owns them
         old_handler = None
+    pending = list(items)
     try:
-        while pending or running:
-            while pending and len(running) < jobs and not interrupted:
+        while pending or pool.running:
+            while pending and len(pool.running) < jobs and not pool.interrupted:
                 spec, run_dir = pending.pop(0)
                 on_start(spec)
-                recv, send = ctx.Pipe(duplex=False)
-                child = ctx.Process(
-                    target=_child_main, args=(spec, run_dir, send, threads), name=f"leaderboard-{spec.name}"
-                )
-                child.start()
-                send.close()  # the child holds the only write end now: EOF as soon as it dies
-                running[recv] = (child, spec)
-            if not running:
+                pool.start(spec, run_dir)
+            if not pool.running:
                 break
-            try:
-                ready = wait(list(running))
-            except KeyboardInterrupt:
-                # Ctrl-C reaches the children too; each finishes its step and saves: wait for them.
-                interrupted = True
-                continue
-            for conn in ready:
-                child, spec = running.pop(conn)
-                try:
-                    msg = conn.recv()
-                except EOFError:
-                    msg = None
-                except KeyboardInterrupt:
-                    interrupted, msg = True, None
-                child.join()
-                conn.close()
-                # After Ctrl-C or SIGTERM a child's end is its interruption, not a failure to record.
-                outcome = KeyboardInterrupt() if interrupted else _outcome(child.exitcode, msg)
-                interrupted = interrupted or isinstance(outcome, KeyboardInterrupt)
-                on_done(spec, outcome)
+            pool.collect_ended()
     finally:
         if old_handler is not None:
             signal.signal(signal.SIGTERM, old_handler)
-    if interrupted:
+    if pool.interrupted:
         raise KeyboardInterrupt
+
+
+class _ForkPool:
+    """The running forked children of `run_forked`, each with the read end of its pipe."""
+
+    def __init__(self, threads: int | None, on_done: Callable[[RunSpec, BaseException | None], None]):
+        import multiprocessing as mp
+
+        self.ctx, self.threads, self.on_done = mp.get_context("fork"), threads, on_done
+        self.running: dict[Any, tuple[Any, RunSpec]] = {}
+        self.interrupted = False
+
+    def start(self, spec: RunSpec, run_dir: Path) -> None:
+        recv, send = self.ctx.Pipe(duplex=False)
+        child = self.ctx.Process(
+            target=_child_main, args=(spec, run_dir, send, self.threads), name=f"leaderboard-{spec.name}"
+        )
+        child.start()
+        send.close()  # the child holds the only write end now: EOF as soon as it dies
+        self.running[recv] = (child, spec)
+
+    def collect_ended(self) -> None:
+        """Waits for some child to end and reports each ended one's outcome."""
+        from multiprocessing.connection import wait
+
+        try:
+            ready = wait(list(self.running))
+        except KeyboardInterrupt:
+            # Ctrl-C reaches the children too; each finishes its step and saves: wait for them.
+            self.interrupted = True
+            return
+        for conn in ready:
+            child, spec = self.running.pop(conn)
+            try:
+                msg = conn.recv()
+            except EOFError:
+                msg = None
+            except KeyboardInterrupt:
+                self.interrupted, msg = True, None
+            child.join()
+            conn.close()
+            # After Ctrl-C or SIGTERM a child's end is its interruption, not a failure to record.
+            outcome = KeyboardInterrupt() if self.interrupted else _outcome(child.exitcode, msg)
+            self.interrupted = self.interrupted or isinstance(outcome, KeyboardInterrupt)
+            self.on_done(spec, outcome)
 
 
 def _outcome(exitcode: int | None, msg: tuple[str, str] | None) -> BaseException | None:
@@ -295,77 +309,97 @@ def run_grid(
         after_each: called after every run that ran (to write results.jsonl as the grid goes).
     """
     finished = finished or {}
-    result: dict[str, list[str]] = {"done": [], "skipped": [], "failed": []}
-
-    def done_before(s: RunSpec) -> str | None:
-        if (out / "runs" / s.name / "summary.json").is_file():
-            return "summary.json exists"
-        return "in results.jsonl" if (finished.get(s.name) or {}).get("status") == "ok" else None
-
-    todo = [s for s in specs if done_before(s) is None]
+    todo = [s for s in specs if _done_before(s, out, finished) is None]
     pool = runner is None and sys.platform.startswith("linux") and not _cuda_initialised()
     if runner is None:
         runner = forked_runner if sys.platform.startswith("linux") else train_spec
     if pool and todo:
         prewarm_imports()
-    n, start = len(specs), clock()
-    index = {s.name: i for i, s in enumerate(specs, 1)}
-    t0: dict[str, float] = {}
-    log(f"leaderboard: {n} runs, {n - len(todo)} already finished, {len(todo)} to run")
-
-    def on_start(spec: RunSpec) -> None:
-        ran = len(result["done"]) + len(result["failed"])
-        elapsed = clock() - start
-        eta = f", ETA {_fmt_duration(elapsed / ran * (len(todo) - ran))}" if ran else ""
-        log(
-            f"[{index[spec.name]}/{n}] {spec.name}: {spec.steps} steps ({spec.recipe}), elapsed {_fmt_duration(elapsed)}{eta}"
-        )
-        _prepare_run_dir(spec, out / "runs" / spec.name)
-        t0[spec.name] = clock()
-
-    def on_done(spec: RunSpec, error: BaseException | None) -> None:
-        i, took = index[spec.name], _fmt_duration(clock() - t0[spec.name])
-        if isinstance(error, KeyboardInterrupt):
-            log(f"[{i}/{n}] {spec.name}: interrupted; run the same command again to resume")
-            return
-        if error is None:
-            log(f"[{i}/{n}] {spec.name}: done in {took}")
-            result["done"].append(spec.name)
-        else:
-            msg = str(error).strip() or type(error).__name__
-            (out / "runs" / spec.name / ERROR_FILE).write_text(msg + "\n")
-            log(f"[{i}/{n}] {spec.name}: FAILED after {took}: {msg.splitlines()[0]}")
-            result["failed"].append(spec.name)
-        if after_each is not None:
-            after_each(spec)
-
+    grid = _GridProgress(specs, len(todo), out, log, clock, after_each)
+    log(f"leaderboard: {len(specs)} runs, {len(specs) - len(todo)} already finished, {len(todo)} to run")
     for spec in specs:
-        why = done_before(spec)
+        why = _done_before(spec, out, finished)
         if why is not None:
             stale = _stale_note(spec, out / "runs" / spec.name, finished.get(spec.name))
-            log(f"[{index[spec.name]}/{n}] {spec.name}: skipped ({why}){stale}")
-            result["skipped"].append(spec.name)
-        elif pool and jobs > 1:
-            continue  # started by the pool below, in plan order
-        else:
-            on_start(spec)
-            try:
-                runner(spec, out / "runs" / spec.name)
-            except KeyboardInterrupt:
-                on_done(spec, KeyboardInterrupt())
-                raise
-            except Exception as e:
-                on_done(spec, e)
-            else:
-                on_done(spec, None)
+            log(f"[{grid.index[spec.name]}/{grid.n}] {spec.name}: skipped ({why}){stale}")
+            grid.result["skipped"].append(spec.name)
+        elif not (pool and jobs > 1):  # (else started by the pool below, in plan order)
+            grid.run_one(spec, runner)
     if pool and jobs > 1:
         threads = max(1, _cores() // jobs)
-        run_forked([(s, out / "runs" / s.name) for s in todo], jobs, threads, on_start, on_done)
+        run_forked([(s, out / "runs" / s.name) for s in todo], jobs, threads, grid.on_start, grid.on_done)
+    result = grid.result
     log(
         f"leaderboard: {len(result['done'])} ran, {len(result['skipped'])} skipped, "
-        f"{len(result['failed'])} failed, in {_fmt_duration(clock() - start)}"
+        f"{len(result['failed'])} failed, in {_fmt_duration(clock() - grid.start)}"
     )
     return result
+
+
+def _done_before(spec: RunSpec, out: Path, finished: Mapping[str, dict[str, Any]]) -> str | None:
+    """Why `spec` need not run (its summary exists, or results.jsonl holds it finished), or None."""
+    if (out / "runs" / spec.name / "summary.json").is_file():
+        return "summary.json exists"
+    return "in results.jsonl" if (finished.get(spec.name) or {}).get("status") == "ok" else None
+
+
+class _GridProgress:
+    """The grid's progress lines (elapsed time, ETA) and its done / skipped / failed lists."""
+
+    def __init__(
+        self,
+        specs: Sequence[RunSpec],
+        todo: int,
+        out: Path,
+        log: Callable[[str], None],
+        clock: Callable[[], float],
+        after_each: Callable[[RunSpec], None] | None,
+    ):
+        self.n, self.todo, self.out, self.log, self.clock = len(specs), todo, out, log, clock
+        self.after_each, self.start = after_each, clock()
+        self.index = {s.name: i for i, s in enumerate(specs, 1)}
+        self.t0: dict[str, float] = {}
+        self.result: dict[str, list[str]] = {"done": [], "skipped": [], "failed": []}
+
+    def run_one(self, spec: RunSpec, runner: Runner) -> None:
+        """Runs `spec` in this process's turn (a KeyboardInterrupt stops the grid)."""
+        self.on_start(spec)
+        try:
+            runner(spec, self.out / "runs" / spec.name)
+        except KeyboardInterrupt:
+            self.on_done(spec, KeyboardInterrupt())
+            raise
+        except Exception as e:
+            self.on_done(spec, e)
+        else:
+            self.on_done(spec, None)
+
+    def on_start(self, spec: RunSpec) -> None:
+        ran = len(self.result["done"]) + len(self.result["failed"])
+        elapsed = self.clock() - self.start
+        eta = f", ETA {_fmt_duration(elapsed / ran * (self.todo - ran))}" if ran else ""
+        self.log(
+            f"[{self.index[spec.name]}/{self.n}] {spec.name}: {spec.steps} steps ({spec.recipe}), "
+            f"elapsed {_fmt_duration(elapsed)}{eta}"
+        )
+        _prepare_run_dir(spec, self.out / "runs" / spec.name)
+        self.t0[spec.name] = self.clock()
+
+    def on_done(self, spec: RunSpec, error: BaseException | None) -> None:
+        i, took = self.index[spec.name], _fmt_duration(self.clock() - self.t0[spec.name])
+        if isinstance(error, KeyboardInterrupt):
+            self.log(f"[{i}/{self.n}] {spec.name}: interrupted; run the same command again to resume")
+            return
+        if error is None:
+            self.log(f"[{i}/{self.n}] {spec.name}: done in {took}")
+            self.result["done"].append(spec.name)
+        else:
+            msg = str(error).strip() or type(error).__name__
+            (self.out / "runs" / spec.name / ERROR_FILE).write_text(msg + "\n")
+            self.log(f"[{i}/{self.n}] {spec.name}: FAILED after {took}: {msg.splitlines()[0]}")
+            self.result["failed"].append(spec.name)
+        if self.after_each is not None:
+            self.after_each(spec)
 
 
 def _stale_note(spec: RunSpec, run_dir: Path, row: ResultRow | None = None) -> str:
