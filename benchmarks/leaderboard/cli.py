@@ -6,7 +6,7 @@ import argparse
 import datetime as dt
 import functools
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from leaderboard.claims import NOISE_RULE, _claim_table, evaluate_claims
@@ -54,6 +54,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--eval-points", type=int, default=4, help="about how many evaluations per run (default 4)"
     )
+    _add_run_args(ap)
+    return ap.parse_args(argv)
+
+
+def _add_run_args(ap: argparse.ArgumentParser) -> None:
+    """The sweep, parallelism and output options."""
     ap.add_argument(
         "--sweep",
         metavar="lr=POINTS",
@@ -85,7 +91,6 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="print the estimator-vs-published memory table of the paper recipes (markdown) and exit",
     )
-    return ap.parse_args(argv)
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -137,19 +142,13 @@ def main(argv: Sequence[str] | None = None, runner: Runner | None = None) -> int
     if not args.grid and not args.recipes:
         _readme(args, _render_only(out, plots=not args.no_plots))
         return 0
-    tokens = args.tokens if args.tokens is not None else GRID_TOKENS.get(args.grid or "")
-    if tokens is None:
-        raise BadInput("--tokens BUDGET is required to run a grid")
-    if args.jobs < 1:
-        raise BadInput(f"--jobs must be >= 1, got {args.jobs}")
-    recipes = _recipes_of(args)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
-    seeds = _int_list(args.seeds, "--seeds")
-    if not seeds:
-        raise BadInput("--seeds: expected at least one seed")
-    overrides = [*GRID_OVERRIDES.get(args.grid or "", ()), *args.overrides]
+    tokens, seeds = _budget(args)
     plan = functools.partial(
-        plan_runs, recipes, methods=methods, extra_overrides=overrides, eval_points=args.eval_points
+        plan_runs,
+        _recipes_of(args),
+        methods=[m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None,
+        extra_overrides=[*GRID_OVERRIDES.get(args.grid or "", ()), *args.overrides],
+        eval_points=args.eval_points,
     )
     sweep: list[RunSpec] = []
     if args.sweep:
@@ -157,36 +156,15 @@ def main(argv: Sequence[str] | None = None, runner: Runner | None = None) -> int
         sweep_seed = args.sweep_seed if args.sweep_seed is not None else seeds[0]
         sweep = plan(sweep_tokens, [sweep_seed], sweep=parse_sweep(args.sweep))
     final = plan(tokens, seeds)  # at the recipes' lr: the budget is the same at any lr
-    for w in budget_warnings([*sweep, *final]):
-        print(f"warning: {w}", file=sys.stderr)
-    print(
-        f"leaderboard: plan: {len(sweep)} sweep runs ({sum(s.steps * s.tokens_per_step for s in sweep):,} tokens)"
-        f" + {len(final)} final runs ({sum(s.steps * s.tokens_per_step for s in final):,} tokens)"
-    )
+    _print_plan(sweep, final)
     previous = read_jsonl(out / "results.jsonl") if (out / "results.jsonl").is_file() else []
     finished = {r["run"]: r for r in previous}
     runner = runner or (train_spec if args.in_process else None)
     names = [s.name for s in sweep]
-
-    current = {r["run"]: r for r in previous}
-
-    def save(spec: RunSpec) -> None:
-        # results.jsonl grows run by run: commit it while a long grid goes on.
-        _merge_run(current, out / "runs" / spec.name)
-        write_jsonl([current[k] for k in sorted(current)], out / "results.jsonl")
-
+    save = _saver(out, previous)
     failed = run_grid(sweep, out, runner, finished=finished, jobs=args.jobs, after_each=save)["failed"]
     if sweep:
-        planned = set(names)  # the sweep rows of this grid, not those of an earlier, other sweep
-        choices = select_lrs(r for r in gather_rows(out, names, previous) if r["run"] in planned)
-        for c in choices.values():
-            note = f" (edge of grid: {c.edge} lr; widen it)" if c.edge else ""
-            print(
-                f"leaderboard: {c.method} on {c.model}: lr {fmt_lr(c.lr)}{note}"
-                if c.lr
-                else f"leaderboard: {c.method} on {c.model}: no sweep run finished, no final runs"
-            )
-        final = plan(tokens, seeds, lrs={k: c.lr for k, c in choices.items() if c.lr is not None})
+        final = plan(tokens, seeds, lrs=_chosen_lrs(out, names, previous))
     names += [s.name for s in final]
     failed += run_grid(final, out, runner, finished=finished, jobs=args.jobs, after_each=save)["failed"]
     rows = gather_rows(out, names, previous)
@@ -195,6 +173,53 @@ def main(argv: Sequence[str] | None = None, runner: Runner | None = None) -> int
     _readme(args, rows)
     print(render_table_only(rows))
     return 1 if failed else 0
+
+
+def _budget(args: argparse.Namespace) -> tuple[int, list[int]]:
+    """The final runs' token budget and seeds (bad input when missing)."""
+    tokens = args.tokens if args.tokens is not None else GRID_TOKENS.get(args.grid or "")
+    if tokens is None:
+        raise BadInput("--tokens BUDGET is required to run a grid")
+    if args.jobs < 1:
+        raise BadInput(f"--jobs must be >= 1, got {args.jobs}")
+    seeds = _int_list(args.seeds, "--seeds")
+    if not seeds:
+        raise BadInput("--seeds: expected at least one seed")
+    return tokens, seeds
+
+
+def _print_plan(sweep: list[RunSpec], final: list[RunSpec]) -> None:
+    for w in budget_warnings([*sweep, *final]):
+        print(f"warning: {w}", file=sys.stderr)
+    print(
+        f"leaderboard: plan: {len(sweep)} sweep runs ({sum(s.steps * s.tokens_per_step for s in sweep):,} tokens)"
+        f" + {len(final)} final runs ({sum(s.steps * s.tokens_per_step for s in final):,} tokens)"
+    )
+
+
+def _saver(out: Path, previous: list[ResultRow]) -> Callable[[RunSpec], None]:
+    """After each run: results.jsonl rewritten with it (commit it while a long grid goes on)."""
+    current = {r["run"]: r for r in previous}
+
+    def save(spec: RunSpec) -> None:
+        _merge_run(current, out / "runs" / spec.name)
+        write_jsonl([current[k] for k in sorted(current)], out / "results.jsonl")
+
+    return save
+
+
+def _chosen_lrs(out: Path, names: list[str], previous: list[ResultRow]) -> dict[tuple[str, str], float]:
+    """Each method's learning rate from this grid's sweep rows (not an earlier, other sweep's)."""
+    planned = set(names)
+    choices = select_lrs(r for r in gather_rows(out, names, previous) if r["run"] in planned)
+    for c in choices.values():
+        note = f" (edge of grid: {c.edge} lr; widen it)" if c.edge else ""
+        print(
+            f"leaderboard: {c.method} on {c.model}: lr {fmt_lr(c.lr)}{note}"
+            if c.lr
+            else f"leaderboard: {c.method} on {c.model}: no sweep run finished, no final runs"
+        )
+    return {k: c.lr for k, c in choices.items() if c.lr is not None}
 
 
 def paper_report(recipes_root: Path | None = None) -> str:
