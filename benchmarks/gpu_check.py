@@ -550,6 +550,35 @@ def section_hf(scale: Scale, budget: Budget, scratch: Path) -> list[dict[str, An
         import galore_torch  # noqa: F401  (transformers' optim="galore_adamw" imports it)
     except ImportError as e:
         raise needs_package(e) from None
+    cfg, rows, vocab = _hf_data(scale)
+    results: dict[str, list[dict[str, Any]]] = {"hf": [], "ours": []}
+    cases = []
+    for i in range(2):  # alternating: HF, ours, HF, ours
+        hf = lambda i=i: _keep(results["hf"], hf_galore(cfg, rows, vocab, scratch / f"hf{i}", scale.device))  # noqa: E731
+        ours = lambda i=i: _keep(results["ours"], ours_galore(cfg, scratch / f"ours{i}", scale.device))  # noqa: E731
+        cases += [(f"hf galore_adamw #{i + 1}", 60.0, hf), (f"effpretrain galore #{i + 1}", 60.0, ours)]
+    out = run_cases(cases, budget)
+    if results["hf"] and results["ours"]:
+        hf_peak = [r["peak_bytes"] for r in results["hf"] if r["peak_bytes"]]
+        our_peak = [r["peak_bytes"] for r in results["ours"] if r["peak_bytes"]]
+        out.append(
+            {
+                "case": "effpretrain / HF",
+                "status": "ok",
+                "tokens_per_s_ratio": statistics.mean(r["tokens_per_s"] for r in results["ours"])
+                / statistics.mean(r["tokens_per_s"] for r in results["hf"]),
+                "peak_memory_ratio": max(our_peak) / max(hf_peak) if hf_peak and our_peak else None,
+                "batch": cfg.train.batch_size,
+                "rank": cfg.optim.rank,
+                "update_proj_gap": cfg.optim.update_proj_gap,
+            }
+        )
+    return out
+
+
+def _hf_data(scale: Scale) -> tuple[Any, list[dict[str, torch.Tensor]], int]:
+    """The side-by-side run's config (the galore recipe on the built-in corpus, pure bf16, the
+    model's own loss as the Trainer computes it), the rows both trainers read, the vocabulary."""
     from effpretrain import data as data_mod
 
     over = [
@@ -568,54 +597,18 @@ def section_hf(scale: Scale, budget: Budget, scratch: Path) -> list[dict[str, An
         "train.save_every=0",
         "train.plot=false",
         "train.precision=bf16-pure",
-        "train.loss=standard",  # the HF model's own loss, as the Trainer computes it
+        "train.loss=standard",
     ]
     cfg = load_config(RECIPES / scale.hf_model_dir / "galore.yaml", over)
     corpus = data_mod.load_corpus(cfg.data)
     tok = data_mod.load_tokenizer(cfg.data, corpus)
     stream = data_mod.TokenStream.from_config(corpus, tok, cfg.data, 0, 1)
     batches = data_mod.Batches(stream, cfg.train.batch_size, 1, 0, 1, vocab_size=tok.vocab_size)
-    rows = []
+    rows: list[dict[str, torch.Tensor]] = []
     while len(rows) < cfg.train.batch_size * (cfg.train.max_steps + 1):
         (mb,), _ = batches.next_step()
         rows += [{"input_ids": r, "labels": r.clone()} for r in mb["input_ids"]]
-    results: dict[str, list[dict[str, Any]]] = {"hf": [], "ours": []}
-    cases = []
-    for i in range(2):  # alternating: HF, ours, HF, ours
-        cases.append(
-            (
-                f"hf galore_adamw #{i + 1}",
-                60.0,
-                lambda i=i: _keep(
-                    results["hf"], hf_galore(cfg, rows, tok.vocab_size, scratch / f"hf{i}", scale.device)
-                ),
-            )
-        )
-        cases.append(
-            (
-                f"effpretrain galore #{i + 1}",
-                60.0,
-                lambda i=i: _keep(results["ours"], ours_galore(cfg, scratch / f"ours{i}", scale.device)),
-            )
-        )
-    out = run_cases(cases, budget)
-    if results["hf"] and results["ours"]:
-        hf_tps = statistics.mean(r["tokens_per_s"] for r in results["hf"])
-        our_tps = statistics.mean(r["tokens_per_s"] for r in results["ours"])
-        hf_peak = [r["peak_bytes"] for r in results["hf"] if r["peak_bytes"]]
-        our_peak = [r["peak_bytes"] for r in results["ours"] if r["peak_bytes"]]
-        out.append(
-            {
-                "case": "effpretrain / HF",
-                "status": "ok",
-                "tokens_per_s_ratio": our_tps / hf_tps,
-                "peak_memory_ratio": max(our_peak) / max(hf_peak) if hf_peak and our_peak else None,
-                "batch": cfg.train.batch_size,
-                "rank": cfg.optim.rank,
-                "update_proj_gap": cfg.optim.update_proj_gap,
-            }
-        )
-    return out
+    return cfg, rows, tok.vocab_size
 
 
 def _keep(into: list[dict[str, Any]], row: dict[str, Any]) -> dict[str, Any]:
