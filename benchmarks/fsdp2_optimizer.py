@@ -65,50 +65,12 @@ def _worker(rank: int, world: int, port: int, methods: list[str], steps: int, ou
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    import optimizers
-    from effpretrain.memory import model_param_shapes
-    from optimizers._sharded import COMM
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    shapes = model_param_shapes(PRESET, VOCAB)
     rows = []
     for name in methods:
         for path in ("gather", "owner"):
-            mod = torch.nn.Module()
-            gen = torch.Generator().manual_seed(0)
-            named = []
-            for i, s in enumerate(shapes):
-                p = torch.nn.Parameter(torch.randn(s.shape, generator=gen) * 0.02)
-                mod.register_parameter(f"p{i}", p)
-                named.append((s.name, p))
-            fully_shard(mod)
-            named = [(n, p) for (n, _), p in zip(named, mod.parameters())]
-            opt = optimizers.build_optimizer(name, _groups(name, named), lr=1e-3, whole_matrix=path)
-            times, received, collectives = [], [], []
-            for step in range(1, steps + 1):
-                g = torch.Generator().manual_seed(100 + step)
-                for s, (_, p) in zip(shapes, named):
-                    p.grad = distribute_tensor(torch.randn(s.shape, generator=g), p.device_mesh, [Shard(0)])
-                COMM.reset()
-                dist.barrier()
-                t0 = time.perf_counter()
-                opt.step()
-                elapsed = torch.tensor(time.perf_counter() - t0)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                times.append(float(elapsed))
-                received.append(COMM.bytes_received)
-                collectives.append(COMM.collectives)
-                opt.zero_grad(set_to_none=True)
-            refreshes = len(range(1, steps + 1, GAP)) if optimizers.METHODS[name].projects else 0
-            mine = {
-                "state": optimizers.measured_state_bytes(opt),
-                "received_per_step": statistics.mean(received),
-                "collectives_per_step": statistics.mean(collectives),
-                "bases_per_refresh": getattr(opt, "refresh_count", 0) / refreshes if refreshes else None,
-            }
+            mine = _measure(name, path, steps)
             every: list[Any] = [None] * world
             dist.all_gather_object(every, mine)
             if rank == 0:
@@ -122,14 +84,58 @@ def _worker(rank: int, world: int, port: int, methods: list[str], steps: int, ou
                         "received_per_step_per_rank": [r["received_per_step"] for r in every],
                         "collectives_per_step": every[0]["collectives_per_step"],
                         "bases_per_refresh_per_rank": [r["bases_per_refresh"] for r in every],
-                        "step_s_median": statistics.median(times),
+                        "step_s_median": mine["step_s_median"],
                     }
                 )
                 log(f"  {name} {path} N={world}: {json.dumps(rows[-1])}")
-            del opt, mod
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
     dist.destroy_process_group()
+
+
+def _measure(name: str, path: str, steps: int) -> dict[str, Any]:
+    """One method's `steps` optimizer steps on FSDP2-sharded llama shapes along `path`: this
+    rank's state bytes, bytes received and collectives per step, bases per refresh, and the
+    slowest rank's median step time."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import optimizers
+    from effpretrain.memory import model_param_shapes
+    from optimizers._sharded import COMM
+
+    shapes = model_param_shapes(PRESET, VOCAB)
+    mod = torch.nn.Module()
+    gen = torch.Generator().manual_seed(0)
+    for i, s in enumerate(shapes):
+        mod.register_parameter(f"p{i}", torch.nn.Parameter(torch.randn(s.shape, generator=gen) * 0.02))
+    fully_shard(mod)
+    named = [(s.name, p) for s, p in zip(shapes, mod.parameters())]
+    opt = optimizers.build_optimizer(name, _groups(name, named), lr=1e-3, whole_matrix=path)
+    times, received, collectives = [], [], []
+    for step in range(1, steps + 1):
+        g = torch.Generator().manual_seed(100 + step)
+        for s, (_, p) in zip(shapes, named):
+            p.grad = distribute_tensor(torch.randn(s.shape, generator=g), p.device_mesh, [Shard(0)])
+        COMM.reset()
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.step()
+        elapsed = torch.tensor(time.perf_counter() - t0)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(float(elapsed))
+        received.append(COMM.bytes_received)
+        collectives.append(COMM.collectives)
+        opt.zero_grad(set_to_none=True)
+    refreshes = len(range(1, steps + 1, GAP)) if optimizers.METHODS[name].projects else 0
+    return {
+        "state": optimizers.measured_state_bytes(opt),
+        "received_per_step": statistics.mean(received),
+        "collectives_per_step": statistics.mean(collectives),
+        "bases_per_refresh": getattr(opt, "refresh_count", 0) / refreshes if refreshes else None,
+        "step_s_median": statistics.median(times),
+    }
 
 
 def _estimate(name: str, world: int, path: str) -> list[int] | None:
@@ -189,6 +195,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "fsdp2_optimizer.json")
     args = ap.parse_args(argv)
+    import optimizers
+
+    unknown = [m for m in args.methods if m not in optimizers.METHODS]
+    if unknown:
+        ap.error(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(sorted(optimizers.METHODS))}")
+    elementwise = [m for m in args.methods if not optimizers.METHODS[m].whole_matrix_steps]
+    if elementwise:
+        ap.error(
+            f"{', '.join(elementwise)} step(s) element-wise on shards (no whole-matrix path to compare); "
+            "pick methods that project or keep whole-matrix state"
+        )
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for world in args.worlds:

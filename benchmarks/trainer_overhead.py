@@ -15,8 +15,28 @@ import argparse
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
+
+
+def _alternate(steps: dict[str, Any], rounds: int, per_block: int) -> dict[str, float]:
+    """Seconds each loop spends on `rounds` blocks of `per_block` steps, in alternating order
+    (after two warm-up steps of each)."""
+    for i in range(2):
+        for fn in steps.values():
+            fn(i)
+    times = dict.fromkeys(steps, 0.0)
+    for r in range(rounds):
+        order = list(steps.items())
+        if r % 2:
+            order.reverse()
+        for name, fn in order:
+            t0 = time.perf_counter()
+            for i in range(per_block):
+                fn(i)
+            times[name] += time.perf_counter() - t0
+    return times
 
 
 def main() -> None:
@@ -69,19 +89,7 @@ def main() -> None:
         def ours_step(i: int) -> None:
             trainer._train_step()
 
-        for i in range(2):  # warm-up both
-            bare_step(i)
-            ours_step(i)
-        times = {"effpretrain": 0.0, "bare": 0.0}
-        for r in range(args.rounds):
-            order = [("effpretrain", ours_step), ("bare", bare_step)]
-            if r % 2:
-                order.reverse()
-            for name, fn in order:
-                t0 = time.perf_counter()
-                for i in range(args.steps):
-                    fn(i)
-                times[name] += time.perf_counter() - t0
+        times = _alternate({"effpretrain": ours_step, "bare": bare_step}, args.rounds, args.steps)
         tokens = args.rounds * args.steps * args.batch_size * args.seq_len
         tps = {k: tokens / v for k, v in times.items()}
         ratio = tps["effpretrain"] / tps["bare"]
