@@ -251,7 +251,7 @@ def bench_shape(
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="60m,1b", help="comma list of: " + ", ".join(SIZES))
     ap.add_argument("--quick", action="store_true", help="fewer matrices and repetitions (CPU smoke run)")
@@ -268,7 +268,28 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--decay", type=float, default=1.0, help="spectrum s_i = (i + 1)^-decay of the gradients")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--device", default="cpu")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def _format_row(size: str, shape: tuple[int, int], rank: int, row: dict) -> str:
+    """One table line: amortized and refresh times, state and captured energy, ours beside galore-torch's."""
+    mib = 1 / 2**20
+    return (
+        f"{size:>4} {f'{shape[0]}x{shape[1]}':>11} {rank:>4} | "
+        f"{row['amort_ours']:>10.4f} {row['amort_ref']:>11.4f} {row['amort_ours'] / row['amort_ref']:>6.2f} "
+        f"{row['plain_ratio']:>6.2f} | "
+        f"{row['refresh_ours']:>8.3f} {row['refresh_ref']:>8.3f} "
+        f"{row['refresh_ours'] / row['refresh_ref']:>6.3f} "
+        f"{row['refresh_warm'] / row['refresh_ref']:>6.3f} | "
+        f"{row['state_ours'] * mib:>7.2f} {row['state_ref'] * mib:>7.2f} "
+        f"{row['state_ours'] / row['state_ref']:>6.3f} | "
+        f"{row['energy_ours']:>6.4f} {row['energy_exact']:>6.4f} "
+        f"{row['energy_ours'] / row['energy_exact']:>7.4f} {row['energy_warm'] / row['energy_exact']:>7.4f}"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse_args(argv)
     args.reps = args.reps if args.reps is not None else 3
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -298,20 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         shapes = QUICK_SHAPES[size] if args.quick else spec["shapes"]
         for shape in shapes:
             row = bench_shape(shape, spec["rank"], args, ref_cls, device)
-            mib = 1 / 2**20
-            print(
-                f"{size:>4} {f'{shape[0]}x{shape[1]}':>11} {spec['rank']:>4} | "
-                f"{row['amort_ours']:>10.4f} {row['amort_ref']:>11.4f} {row['amort_ours'] / row['amort_ref']:>6.2f} "
-                f"{row['plain_ratio']:>6.2f} | "
-                f"{row['refresh_ours']:>8.3f} {row['refresh_ref']:>8.3f} "
-                f"{row['refresh_ours'] / row['refresh_ref']:>6.3f} "
-                f"{row['refresh_warm'] / row['refresh_ref']:>6.3f} | "
-                f"{row['state_ours'] * mib:>7.2f} {row['state_ref'] * mib:>7.2f} "
-                f"{row['state_ours'] / row['state_ref']:>6.3f} | "
-                f"{row['energy_ours']:>6.4f} {row['energy_exact']:>6.4f} "
-                f"{row['energy_ours'] / row['energy_exact']:>7.4f} {row['energy_warm'] / row['energy_exact']:>7.4f}",
-                flush=True,
-            )
+            print(_format_row(size, shape, spec["rank"], row), flush=True)
 
 
 if __name__ == "__main__":
