@@ -39,6 +39,28 @@ def _alternate(steps: dict[str, Any], rounds: int, per_block: int) -> dict[str, 
     return times
 
 
+def _bare_loop(args: argparse.Namespace, cfg: Any, vocab: int) -> Any:
+    """The plain PyTorch step the trainer is compared with: the same model, AdamW (foreach),
+    gradient clipping, on eight fixed random batches."""
+    from effpretrain.models import build_model
+
+    bare = build_model(args.preset, vocab, args.seq_len, seed=1)
+    bare.train()
+    opt = torch.optim.AdamW(bare.parameters(), lr=cfg.optim.lr, foreach=True)
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, vocab, (args.batch_size, args.seq_len), generator=gen) for _ in range(8)]
+
+    def bare_step(i: int) -> None:
+        ids = batches[i % len(batches)]
+        loss = bare(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(bare.parameters(), cfg.train.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return bare_step
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny")
@@ -49,7 +71,6 @@ def main() -> None:
     args = ap.parse_args()
 
     from effpretrain.config import load_config
-    from effpretrain.models import build_model
     from effpretrain.trainer import Trainer
 
     total_steps = 2 + args.rounds * args.steps + 5
@@ -69,22 +90,7 @@ def main() -> None:
         trainer = Trainer(cfg, Path(tmp) / "run")
         trainer.model.train()
 
-        bare = build_model(args.preset, trainer.tok.vocab_size, args.seq_len, seed=1)
-        bare.train()
-        opt = torch.optim.AdamW(bare.parameters(), lr=cfg.optim.lr, foreach=True)
-        gen = torch.Generator().manual_seed(0)
-        batches = [
-            torch.randint(0, trainer.tok.vocab_size, (args.batch_size, args.seq_len), generator=gen)
-            for _ in range(8)
-        ]
-
-        def bare_step(i: int) -> None:
-            ids = batches[i % len(batches)]
-            loss = bare(input_ids=ids, labels=ids).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(bare.parameters(), cfg.train.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        bare_step = _bare_loop(args, cfg, trainer.tok.vocab_size)
 
         def ours_step(i: int) -> None:
             trainer._train_step()

@@ -159,6 +159,13 @@ def plan_runs(
                     f"train.seed={seed}",
                 )
                 specs.append(_spec(recipe, overrides, label, seed, tokens, steps, sweep is not None))
+    _check_plan(specs, wanted, lrs)
+    return specs
+
+
+def _check_plan(specs: Sequence[RunSpec], wanted: set[str] | None, lrs: object) -> None:
+    """Refuses a plan in which two runs share a name, or (outside the final phase, `lrs` None)
+    a wanted method has no recipe."""
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         twice = next(n for n in names if names.count(n) > 1)
@@ -167,7 +174,6 @@ def plan_runs(
         missing = wanted - {s.method for s in specs}
         if missing and lrs is None:
             raise BadInput(f"--methods: no recipe for {', '.join(sorted(missing))}")
-    return specs
 
 
 def _lr_points(
