@@ -14,8 +14,8 @@ over the two steps (as ``summary.json``'s ``memory_measured.max``), compared wit
   measured / estimated is more than 10% from 1.
 
 Loss section: the loss's own memory (logits and what it saves for backward, measured by
-`effpretrain.loss.measure_loss_bytes` where this commit has it) at 8,192 tokens x vocabulary 32,000 x
-hidden 256, standard vs chunked, with the estimator's terms (`effpretrain.memory.loss_bytes`, and
+`effpretrain.memory.measure_loss_bytes`, or `effpretrain.loss`'s at older commits, where the
+commit has one) at 8,192 tokens x vocabulary 32,000 x hidden 256, standard vs chunked, with the estimator's terms (`effpretrain.memory.loss_bytes`, and
 `effpretrain.loss.loss_bytes` where it exists); and
 llama_20m's estimated peak with either loss, at its recipe shape and at 8,192 tokens x vocabulary
 32,000.
@@ -108,7 +108,7 @@ def _as_dict(x: Any) -> dict[str, int]:
 
 
 def loss_section(tokens: int = 8192, vocab: int = 32000, hidden: int = 256) -> dict[str, Any]:
-    """The loss's own bytes, standard vs chunked: measured where `effpretrain.loss` has
+    """The loss's own bytes, standard vs chunked: measured where the commit has
     ``measure_loss_bytes`` (None with the reason otherwise), and the estimator's terms."""
     out: dict[str, Any] = {"tokens": tokens, "vocab": vocab, "hidden": hidden, "dtype": "float32"}
     out["estimated"] = {
@@ -120,10 +120,11 @@ def loss_section(tokens: int = 8192, vocab: int = 32000, hidden: int = 256) -> d
         out["estimated_by_loss_module"] = {
             k: {n: int(v) for n, v in own(k, tokens, vocab, hidden).items()} for k in ("standard", "chunked")
         }
-    measure = getattr(loss_mod, "measure_loss_bytes", None)
+    # effpretrain.memory's since the one instrument (accounting.py), effpretrain.loss's before
+    measure = getattr(memory, "measure_loss_bytes", None) or getattr(loss_mod, "measure_loss_bytes", None)
     if measure is None:
         out["measured"] = None
-        out["reason"] = "effpretrain.loss has no measure_loss_bytes at this commit (chunked loss not merged)"
+        out["reason"] = "no measure_loss_bytes at this commit (chunked loss not merged)"
         return out
     out["measured"] = {}
     for kind in ("standard", "chunked"):

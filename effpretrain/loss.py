@@ -30,14 +30,11 @@ bytes are `loss_bytes`: the transient of either is about one (C, V) fp32 block.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from effpretrain.data import IGNORE_INDEX
 from effpretrain.errors import ConfigError
@@ -51,7 +48,6 @@ __all__ = [
     "LossKind",
     "linear_cross_entropy",
     "loss_bytes",
-    "measure_loss_bytes",
     "token_loss_sum",
 ]
 
@@ -375,96 +371,3 @@ def loss_bytes(
     else:
         raise ValueError(f"unknown loss kind {kind!r}")
     return {"saved": saved, "transient": transient, "peak": saved + transient}
-
-
-class _LiveBytes(TorchDispatchMode):
-    """Live and peak bytes of the tensor storages created while active, and the bytes that
-    autograd saves for backward among them.
-
-    Every op's output storage not seen before counts from its creation until Python frees it (a
-    weakref finalizer); a storage first seen as an op's input existed before (H, W, the labels)
-    and never counts, nor do views of it. Each storage counts once, as it is held once.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = self.saved = 0
-        self._sizes: dict[int, int] = {}  # data_ptr -> bytes (0: existed before)
-        self._saved: set[int] = set()
-
-    def _see(self, t: Any, new: bool) -> None:
-        if not isinstance(t, torch.Tensor):
-            return
-        st = t.untyped_storage()
-        key = st.data_ptr()
-        if key in self._sizes or st.nbytes() == 0:
-            return
-        n = st.nbytes() if new else 0
-        self._sizes[key] = n
-        self.live += n
-        self.peak = max(self.peak, self.live)
-        if new:
-            weakref.finalize(st, self._free, key)
-
-    def _free(self, key: int) -> None:
-        self.live -= self._sizes.pop(key, 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        for t in tree_leaves((args, kwargs)):
-            self._see(t, new=False)
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            self._see(t, new=True)
-        return out
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        """saved_tensors_hooks pack: adds a saved storage's bytes once if it is a new one."""
-        key = t.untyped_storage().data_ptr()
-        if key not in self._saved:
-            self._saved.add(key)
-            self.saved += self._sizes.get(key, 0)
-        return t
-
-
-def measure_loss_bytes(
-    kind: LossKind,
-    tokens: int,
-    vocab: int,
-    hidden: int,
-    act_dtype: torch.dtype = torch.float32,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-    ignored_every: int = 0,
-    seed: int = 0,
-) -> dict[str, int]:
-    """Measured memory of one forward and backward of `linear_cross_entropy` on CPU, in bytes.
-
-    H (tokens, hidden) and W (vocab, hidden) are fp32 leaves (as the model's final norm output and
-    head weight are), the product runs in `act_dtype` (autocast unless fp32); every
-    `ignored_every`-th label is IGNORE_INDEX (0: none). Counted: the tensors the loss itself
-    creates (not H, W, the labels), its gradients of H and W included.
-
-    Returns:
-        ``saved`` (new bytes autograd holds for backward at the end of the forward), ``peak`` (the
-        largest live total at any moment of forward and backward), ``transient`` = peak - saved,
-        and ``forward_peak``.
-    """
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(tokens, hidden, generator=g).requires_grad_()
-    w = (torch.randn(vocab, hidden, generator=g) * hidden**-0.5).requires_grad_()
-    labels = torch.randint(0, vocab, (tokens,), generator=g)
-    if ignored_every:
-        labels[::ignored_every] = IGNORE_INDEX
-    auto = torch.autocast("cpu", dtype=act_dtype, enabled=act_dtype != torch.float32)
-    mode = _LiveBytes()
-    with mode:
-        with auto, torch.autograd.graph.saved_tensors_hooks(mode.pack, lambda t: t):
-            s = linear_cross_entropy(h, w, labels, kind, chunk_tokens)
-        forward_peak = mode.peak
-        s.backward()
-        del s
-    return {
-        "saved": mode.saved,
-        "peak": mode.peak,
-        "transient": mode.peak - mode.saved,
-        "forward_peak": forward_peak,
-    }

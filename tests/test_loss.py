@@ -16,7 +16,8 @@ from distributed_helpers import COMMON, final, rel_diff, run_worker_pair
 
 from effpretrain.config import ConfigError, load_config
 from effpretrain.data import IGNORE_INDEX
-from effpretrain.loss import _LiveBytes, linear_cross_entropy, loss_bytes, measure_loss_bytes, token_loss_sum
+from effpretrain.loss import linear_cross_entropy, loss_bytes, token_loss_sum
+from effpretrain.memory import accounting, measure_loss_bytes
 
 CHUNKED = ["chunked", "chunked_recompute"]
 
@@ -89,11 +90,10 @@ def test_chunked_without_gradients_computes_the_loss_alone(kind):
     w = torch.randn(v, hidden, generator=g, requires_grad=True)
     labels = torch.randint(0, v, (n,), generator=g)
     want = F.cross_entropy(h @ w.t(), labels, reduction="sum").detach()
-    mode = _LiveBytes()
-    with torch.no_grad(), mode:  # chunks of 10 rows: 4 x 10 x V bytes of logits, well under dH + dW
+    with torch.no_grad(), accounting(h, w, labels) as log:  # chunks of 10 rows: 4 x 10 x V bytes of logits
         s = linear_cross_entropy(h, w, labels, kind, 10)
     assert s.grad_fn is None and rel(s, want) <= 1e-6
-    assert mode.peak < 4 * (n + v) * hidden  # less than dH + dW alone
+    assert log.replay(include_existing=False)[0] < 4 * (n + v) * hidden  # less than dH + dW alone
     s = linear_cross_entropy(h.detach(), w.detach(), labels, kind, 100)
     assert s.grad_fn is None and rel(s, want) <= 1e-6
 

@@ -410,14 +410,14 @@ def test_a_storage_resized_to_zero_is_released_and_resized_back_is_allocated():
     to full size as a new allocation, through the same FSDP2 functions the measured step wraps."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param
 
-    from effpretrain.memory.measure import _Registry, _watch_fsdp2_resizes
+    from effpretrain.memory.accounting import StorageLog, watch_fsdp2_resizes
 
-    reg = _Registry()
+    reg = StorageLog()
     w = torch.ones(256)  # 1 KiB, "saved for backward" by a forward
     reg.id_of(w.untyped_storage(), allocated=True)
     reg.saved(w.untyped_storage(), allocated=True)
     assert reg.saved_live == 1024
-    wrapped = _watch_fsdp2_resizes(reg)
+    wrapped = watch_fsdp2_resizes(reg)
     try:
         assert {name for _, name, _ in wrapped} == {"alloc_storage", "free_storage"}
         _fsdp_param.free_storage(w)

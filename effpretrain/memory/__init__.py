@@ -1,7 +1,9 @@
 """Memory: the analytic estimate (no tensor is allocated), its terms, the measured numbers and the
 published figures (`published`). Modules: `terms` (precisions, shapes, the per-parameter tally and
 the distributed terms), `activations`, `in_backward_terms`, `estimator` (the sums and the peak),
-`published`; the measurement instrument `measure`, and the pre-flight check `preflight`.
+`published`; the measurement instrument `accounting` (tensor accounting: `saved_tensor_bytes`,
+`measure_loss_bytes`) and a training step measured by category with it (`measure`), and the
+pre-flight check `preflight`.
 
 Estimate, per rank, in bytes:
 
@@ -50,6 +52,13 @@ Measured: exact optimizer-state bytes from the state tensors, and peak memory (C
 or the process's peak RSS on CPU).
 """
 
+from effpretrain.memory.accounting import (
+    accounting,
+    measure_loss_bytes,
+    peak_memory_bytes,
+    saved_tensor_bytes,
+    tensor_bytes,
+)
 from effpretrain.memory.activations import (
     SAVED_BYTES,
     Activations,
@@ -68,7 +77,6 @@ from effpretrain.memory.estimator import (
     plan_checkpointing,
 )
 from effpretrain.memory.in_backward_terms import InBackwardTerms, in_backward_terms, lowrank_accumulator_bytes
-from effpretrain.memory.measure import peak_memory_bytes, saved_tensor_bytes, tensor_bytes
 from effpretrain.memory.terms import (
     PRECISIONS,
     ParamShape,
@@ -90,6 +98,7 @@ __all__ = [
     "ParamShape",
     "Precision",
     "SavedBytes",
+    "accounting",
     "activation_bytes",
     "activation_terms",
     "checkpointed_layers",
@@ -101,6 +110,7 @@ __all__ = [
     "in_backward_terms",
     "loss_bytes",
     "lowrank_accumulator_bytes",
+    "measure_loss_bytes",
     "model_param_shapes",
     "peak_memory_bytes",
     "plan_checkpointing",

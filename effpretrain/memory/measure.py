@@ -28,7 +28,8 @@ allocator holds it.
 
 How it is measured:
 
-- CPU (any non-CUDA device): tensor accounting. A `TorchDispatchMode` sees every operator; the
+- CPU (any non-CUDA device): tensor accounting (`effpretrain.memory.accounting`, the one
+  instrument the project measures memory with). A `TorchDispatchMode` sees every operator; the
   storage of each output not seen before is an allocation, and a `weakref.finalize` on the
   storage records its release. Storages that existed before the step (weights, state, buffers,
   the batch, DDP's buckets) are counted from the step's start, found either up front (the
@@ -65,17 +66,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import resource
-import sys
-import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from effpretrain.in_backward import InBackward
+from effpretrain.memory.accounting import (
+    CATEGORIES,
+    Meter,
+    StorageLog,
+    peak_memory_bytes,
+    storage_of,
+    watch_fsdp2_resizes,
+)
 from effpretrain.memory.estimator import estimate_from_config
 from effpretrain.optim_setup import build_optimizer_and_schedule
 from effpretrain.run_model import build_run_model, make_train_step, place_model, synthetic_batch
@@ -86,198 +90,18 @@ __all__ = [
     "MEASURED_KEYS",
     "measure_run",
     "measure_step",
-    "peak_memory_bytes",
     "process_peak_bytes",
-    "saved_tensor_bytes",
-    "tensor_bytes",
 ]
 
-#: The categories in priority order: a storage shared by two counts in the first.
-CATEGORIES: tuple[str, ...] = ("weights", "gradients", "optimizer_state", "activations")
 #: Phases during which autograd's graph (and what it saved) can be alive.
 _GRAPH_PHASES = ("forward", "backward")
 #: The byte fields of a measurement.
 MEASURED_KEYS: tuple[str, ...] = (*CATEGORIES, "temporaries", "peak")
 
 
-def _storage(t: Any) -> torch.UntypedStorage | None:
-    """The untyped storage behind `t` (a DTensor's local shard), or None when it has none."""
-    if not isinstance(t, torch.Tensor):
-        return None
-    t = _local(t)
-    if t.device.type == "meta" or is_traceable_wrapper_subclass(t):
-        return None
-    try:
-        st = t.untyped_storage()
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
-    return st if st.nbytes() else None
-
-
 def _inner_optimizer(optimizer: Any) -> Any:
     """Below Accelerate's wrapper, as `optimizers.measured_state_bytes` reads it."""
     return getattr(optimizer, "optimizer", optimizer)
-
-
-class _Registry:
-    """Every storage the step touches, each with an id for its lifetime, its bytes, and a log of
-    allocations (+bytes) and releases (-bytes) in order, each with the phase it happened in."""
-
-    def __init__(self) -> None:
-        self.phase = "start"
-        self.ids: dict[int, int] = {}  # StorageImpl address -> id, while alive
-        self.nbytes: dict[int, int] = {}  # id -> bytes
-        self.pre: set[int] = set()  # ids alive before the step
-        self.log: list[tuple[int, int, str]] = []
-        self.cats: dict[str, set[int]] = {c: set() for c in CATEGORIES}
-        self.saved_live = 0
-        self.saved_max = 0
-        self.grad_live = 0  # gradient storages alive now (weights excluded: they outrank them)
-        self.grad_max = 0
-        self.grad_phase_max: dict[str, int] = {}  # the largest grad_live seen in each phase
-        self._fins: dict[int, weakref.finalize] = {}
-
-    def id_of(self, st: torch.UntypedStorage, allocated: bool) -> int:
-        """The storage's id, registering it on first sight: as allocated now (logged) or as alive
-        since before the step."""
-        key = st._cdata
-        sid = self.ids.get(key)
-        if sid is None:
-            sid = len(self.nbytes)
-            self.ids[key], self.nbytes[sid] = sid, st.nbytes()
-            if allocated:
-                self.log.append((sid, self.nbytes[sid], self.phase))
-            else:
-                self.pre.add(sid)
-            self._fins[sid] = weakref.finalize(st, self._release, key, sid)
-        return sid
-
-    def _release(self, key: int, sid: int) -> None:
-        self.ids.pop(key, None)
-        self._fins.pop(sid, None)
-        self.log.append((sid, -self.nbytes[sid], self.phase))
-        if sid in self.cats["activations"] and self._plain(sid):
-            self.saved_live -= self.nbytes[sid]
-        if sid in self.cats["gradients"] and sid not in self.cats["weights"]:
-            self.grad_live -= self.nbytes[sid]
-
-    def resized(self, st: torch.UntypedStorage) -> None:
-        """FSDP2 resized `st` (to 0 bytes or back to full): its current id ends as a release, and
-        a storage with bytes again starts a new one, as allocated now."""
-        sid = self.ids.get(st._cdata)
-        if sid is not None:
-            self._fins[sid].detach()
-            self._release(st._cdata, sid)
-        if st.nbytes():
-            self.id_of(st, allocated=True)
-
-    def _plain(self, sid: int) -> bool:
-        """Not weights, gradients or optimizer state (which outrank activations)."""
-        return not any(sid in self.cats[c] for c in CATEGORIES[:3])
-
-    def add(self, category: str, tensors: Iterable[Any], allocated: bool = False) -> None:
-        for t in tensors:
-            st = _storage(t)
-            if st is None:
-                continue
-            sid = self.id_of(st, allocated)
-            if category != "activations" and sid in self.cats["activations"] and self._plain(sid):
-                # A saved storage that becomes a gradient (autograd keeps the chunked loss's saved
-                # dW as the head's .grad) leaves the activations now: it is held as a gradient from
-                # here on, across the next micro-steps of an accumulation.
-                self.saved_live -= self.nbytes[sid]
-            if category == "gradients" and sid not in self.cats[category] and sid not in self.cats["weights"]:
-                self.grad_live += self.nbytes[sid]
-                self.grad_max = max(self.grad_max, self.grad_live)
-                top = self.grad_phase_max.get(self.phase, 0)
-                self.grad_phase_max[self.phase] = max(top, self.grad_live)
-            self.cats[category].add(sid)
-
-    def saved(self, st: torch.UntypedStorage, allocated: bool) -> None:
-        sid = self.id_of(st, allocated)
-        if sid not in self.cats["activations"]:
-            self.cats["activations"].add(sid)
-            if self._plain(sid):
-                self.saved_live += self.nbytes[sid]
-                self.saved_max = max(self.saved_max, self.saved_live)
-
-    def close(self) -> None:
-        """Detaches the finalizers of storages that outlive the step."""
-        for fin in list(self._fins.values()):
-            fin.detach()
-        self._fins.clear()
-
-    def owned(self) -> dict[str, set[int]]:
-        """Each category's ids, a shared storage kept only in the first category that has it."""
-        seen: set[int] = set()
-        out = {}
-        for c in CATEGORIES:
-            out[c] = self.cats[c] - seen
-            seen |= out[c]
-        return out
-
-    def bytes_of(self, ids: Iterable[int]) -> int:
-        return sum(self.nbytes[i] for i in ids)
-
-
-class _Meter(TorchDispatchMode):
-    """Sees every operator: registers the storages it reads (alive before, if new) and writes."""
-
-    def __init__(self, reg: _Registry) -> None:
-        super().__init__()
-        self.reg = reg
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        for t in pytree.tree_leaves((args, kwargs)):
-            st = _storage(t)
-            if st is not None:
-                self.reg.id_of(st, allocated=False)
-        out = func(*args, **(kwargs or {}))
-        for t in pytree.tree_leaves(out):
-            st = _storage(t)
-            if st is not None:
-                self.reg.id_of(st, allocated=True)
-        return out
-
-
-def _watch_fsdp2_resizes(reg: _Registry) -> list[tuple[Any, str, Any]]:
-    """Wraps FSDP2's `alloc_storage` / `free_storage` (where this torch has them) so that each
-    resize reaches `reg.resized`; returns (module, name, original) for each wrapped name."""
-    try:
-        from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
-    except ImportError:
-        return []
-    wrapped = []
-    for module in (_fsdp_param, _fsdp_param_group):
-        for name in ("alloc_storage", "free_storage"):
-            old = getattr(module, name, None)
-            if old is None:
-                continue
-
-            def resize(tensor: torch.Tensor, _old: Callable[[torch.Tensor], None] = old) -> None:
-                _old(tensor)
-                reg.resized(tensor.untyped_storage())
-
-            setattr(module, name, resize)
-            wrapped.append((module, name, old))
-    return wrapped
-
-
-def _replay(reg: _Registry) -> tuple[int, set[int], str]:
-    """Peak live bytes over the log, the ids live at that moment and its phase."""
-    cur = reg.bytes_of(reg.pre)
-    peak, at, phase = cur, 0, "start"
-    for i, (_, delta, ph) in enumerate(reg.log):
-        cur += delta
-        if cur > peak:
-            peak, at, phase = cur, i + 1, ph
-    live = set(reg.pre)
-    for sid, delta, _ in reg.log[:at]:
-        if delta > 0:
-            live.add(sid)
-        else:
-            live.discard(sid)
-    return peak, live, phase
 
 
 #: Per CUDA device, the allocator's largest peak that a measured step's resets took away from
@@ -325,7 +149,7 @@ class _Step:
     def __init__(
         self, model: torch.nn.Module, optimizer: Any, device: torch.device, in_backward: Any = None
     ) -> None:
-        self.model, self.opt, self.reg = model, _inner_optimizer(optimizer), _Registry()
+        self.model, self.opt, self.reg = model, _inner_optimizer(optimizer), StorageLog()
         self.inb = in_backward
         self.cuda = _CudaPhases(device, self._snapshot) if device.type == "cuda" else None
 
@@ -372,7 +196,7 @@ class _Step:
         allocated = self.cuda is not None  # on CPU the dispatch mode has seen the allocation
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            st = _storage(t)
+            st = storage_of(t)
             if st is not None:
                 self.reg.saved(st, allocated)
             return t
@@ -383,7 +207,7 @@ class _Step:
             return t
 
         watched = self._watch_in_backward()
-        resizes = _watch_fsdp2_resizes(self.reg)
+        resizes = watch_fsdp2_resizes(self.reg)
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 yield
@@ -480,7 +304,7 @@ def measure_step(
     """
     device = _device(model)
     rec = _Step(model, optimizer, device, in_backward)
-    meter = _Meter(rec.reg) if rec.cuda is None else contextlib.nullcontext()
+    meter = Meter(rec.reg) if rec.cuda is None else contextlib.nullcontext()
     # Compiled code runs below any dispatch mode, so tensor accounting cannot see inside it:
     # compiled blocks (`train.compile`) run eagerly in a step measured that way.
     stance = torch.compiler.set_stance("force_eager") if rec.cuda is None else contextlib.nullcontext()
@@ -536,7 +360,7 @@ def _result(rec: _Step, step: int, device: torch.device) -> dict:
     totals["gradients"] = reg.grad_max  # at most every gradient storage's bytes (all alive at once)
     totals["activations"] = reg.saved_max
     if rec.cuda is None:
-        peak, live, phase = _replay(reg)
+        peak, live, phase = reg.replay()
         at_peak = {c: reg.bytes_of(owned[c] & live) for c in CATEGORIES}
         if phase not in _GRAPH_PHASES:
             # Backward has released the graph: a once-saved storage still alive (the batch) is
@@ -555,36 +379,3 @@ def _result(rec: _Step, step: int, device: torch.device) -> dict:
         "step": int(step),
         "device": device.type,
     }
-
-
-# ----------------------------------------------------------------------------------------------
-# Simple readings: the process or device peak, tensor bytes, saved-for-backward bytes of a call
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """CUDA max allocated on GPU; the process's peak resident set size on CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
-
-
-def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes the given tensors hold: sum of numel * element size."""
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def saved_tensor_bytes(fn: Any) -> tuple[int, Any]:
-    """Bytes the autograd graph of `fn()` saves for backward (each distinct storage once, as it
-    is held once), measured with `torch.autograd.graph.saved_tensors_hooks`; and `fn()`'s result.
-    Works on any device, CPU included, where process RSS cannot tell tensors apart."""
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return sum(storages.values()), out
