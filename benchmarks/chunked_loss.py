@@ -11,7 +11,7 @@
    step's token count, the preset's hidden size and the vocabulary) for several chunk sizes, best of
    three, the evidence for `train.loss_chunk_tokens`' default.
 3. Memory: at 8,192 tokens, vocabulary 32,000, hidden 256 (fp32; bf16 autocast on request), the
-   loss's own bytes measured by `effpretrain.loss.measure_loss_bytes` (saved for backward,
+   loss's own bytes measured by `effpretrain.memory.measure_loss_bytes` (saved for backward,
    transient, peak) beside `effpretrain.loss.loss_bytes`' prediction, for the three kinds.
 
 Writes ``benchmarks/results/chunked_loss.json`` (commit, machine, torch version, date) and prints
@@ -23,8 +23,6 @@ the tables. About ten minutes on a shared 2-core CPU with the defaults.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import os
 import sys
 import tempfile
@@ -32,11 +30,12 @@ import time
 from pathlib import Path
 
 import torch
+from _bench import log, write_result
 
 from effpretrain.config import load_config
-from effpretrain.loss import DEFAULT_CHUNK_TOKENS, linear_cross_entropy, loss_bytes, measure_loss_bytes
+from effpretrain.loss import DEFAULT_CHUNK_TOKENS, linear_cross_entropy, loss_bytes
+from effpretrain.memory import measure_loss_bytes
 from effpretrain.models.llama import PRESETS
-from effpretrain.reporting import cpu_description, git_commit
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("standard", "chunked", "chunked_recompute")
@@ -194,23 +193,18 @@ def main(argv: list[str] | None = None) -> dict:
     load_before = os.getloadavg()
     speed = training_speed(args)
     speed["load_average_1_5_15_min"] = {"before": load_before, "after": os.getloadavg()}
-    print(f"speed done: chunked/standard {speed['ratio_chunked_over_standard']:.3f}", flush=True)
+    log(f"speed done: chunked/standard {speed['ratio_chunked_over_standard']:.3f}")
     hidden = PRESETS[args.preset].hidden
     sweep = chunk_sweep(args.batch_size * args.seq_len, speed["vocab"], hidden, args.chunks)
-    print("chunk sweep done", flush=True)
+    log("chunk sweep done")
     result = {
         "benchmark": "benchmarks/chunked_loss.py",
         "command": " ".join(["python benchmarks/chunked_loss.py", *(sys.argv[1:] if argv is None else argv)]),
-        "git_commit": git_commit(),
-        "machine": cpu_description(),
-        "torch": torch.__version__,
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d"),
         "speed": speed,
         "chunk_sweep": sweep,
         "memory": memory_table(args.memory_tokens, 32000, 256, args.chunk_tokens, args.memory_dtypes),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result)  # with provenance: commit, machine, torch, date
     print_tables(result)
     return result
 

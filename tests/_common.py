@@ -31,3 +31,22 @@ def child_env(threads: int | None = 1, **extra: str) -> dict[str, str]:
         env["OMP_NUM_THREADS"] = str(threads)
     env.update(extra)
     return env
+
+
+#: How `train.update_in_backward` accumulates a method's micro-batch gradients, by kind (read from
+#: the registry by `in_backward_kind`).
+IN_BACKWARD_KINDS = ("element_wise", "whole_matrix", "projected", "low_rank")
+
+
+def in_backward_kind(method: str) -> str:
+    """A registered method's in-backward kind, from its registry entry: ``low_rank`` (its update
+    reads G only through R = P^T G, ``PROJECTED_GRAD_ONLY``: the engine sums the projected
+    micro-gradients), ``projected`` (a basis, full accumulators), ``whole_matrix`` (steps that
+    need a whole matrix, no basis: Muon's orthogonalization, 8-bit blocks; owner ranks under
+    FSDP2) or ``element_wise``."""
+    import optimizers
+
+    spec = optimizers.method_spec(method)
+    if spec.projects:
+        return "low_rank" if getattr(spec.cls, "PROJECTED_GRAD_ONLY", False) else "projected"
+    return "whole_matrix" if spec.whole_matrix_steps else "element_wise"
