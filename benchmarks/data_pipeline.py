@@ -17,13 +17,13 @@ within 50% of resume at 5.
 
 The tokenizer is the built-in BPE (trained once on the built-in corpus, cached), saved as a
 HuggingFace tokenizer folder so that any source can load it by path; ``--tokenizer`` names
-another. Writes ``benchmarks/results/data_pipeline.json`` (commit, machine, figures) and prints a
-table.
+another. Writes ``benchmarks/results/data_pipeline.json`` (commit, machine, torch, date, figures)
+and prints a table.
 
 ``--rss``: peak resident memory of ``python -m effpretrain train`` (default recipe, a few steps)
 on a generated ~2 GB local corpus and on a ~20 MB one (``data.source=files``; sizes are
 uncompressed text), read per child with ``os.wait4``; prints the difference (acceptance: within
-300 MB).
+300 MB). Its figures go into the same file's ``rss`` entry, with their own provenance.
 
     python benchmarks/data_pipeline.py [--files 16] [--docs 500] [--steps 200] [--plain]
     python benchmarks/data_pipeline.py --rss [--big-mb 2048] [--small-mb 20] [--rss-steps 5]
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime as dt
 import gzip
 import io
 import json
@@ -47,10 +46,10 @@ import time
 from pathlib import Path
 
 import torch
+from _bench import log, provenance, write_result
 
 from effpretrain import data
 from effpretrain.config import DataConfig, load_config
-from effpretrain.reporting import cpu_description, git_commit
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -242,7 +241,7 @@ def run_rss(args) -> dict:
         if not folder.is_dir():
             t0 = time.perf_counter()
             write_corpus(folder, files, mb << 20, gz=not args.plain)
-            print(f"wrote the {mb} MB corpus in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+            log(f"wrote the {mb} MB corpus in {time.perf_counter() - t0:.0f} s")
         cmd = [sys.executable, "-m", "effpretrain", "train", "--out", str(work / f"run-{name}")]
         for kv in (
             "data.source=files",
@@ -281,7 +280,25 @@ def _print_pipeline(res: dict) -> None:
     )
 
 
-def main() -> None:
+def _previous(out: Path) -> dict:
+    """The result file already at `out` (the other mode's figures are kept), with an older file's
+    ``git_commit`` read as ``commit`` (the key `_bench.provenance` writes)."""
+    previous = json.loads(out.read_text()) if out.is_file() else {}
+    if "commit" not in previous and "git_commit" in previous:
+        previous = {"commit": previous.pop("git_commit"), **previous}
+    return previous
+
+
+def _print_rss(res: dict) -> None:
+    for k in ("small", "big"):
+        print(f"{k:<6} {res[k]['text_mb']:>6} MB text: peak RSS {res[k]['peak_rss_bytes'] / 2**20:,.0f} MiB")
+    print(
+        f"difference {res['difference_bytes'] / 2**20:,.0f} MiB "
+        f"(acceptance: within 300 MB: {'met' if res['within_300mb'] else 'NOT met'})"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--files", type=int, default=16, help="jsonl.gz shards")
     ap.add_argument("--docs", type=int, default=500, help="about this many documents per shard")
@@ -302,34 +319,21 @@ def main() -> None:
     ap.add_argument("--small-mb", type=int, default=20)
     ap.add_argument("--rss-steps", type=int, default=5)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "data_pipeline.json"))
-    args = ap.parse_args()
-    meta = {
-        "benchmark": "benchmarks/data_pipeline.py",
-        "command": "python " + " ".join(["benchmarks/data_pipeline.py", *sys.argv[1:]]),
-        "git_commit": git_commit(),
-        "machine": cpu_description(),
-        "torch": torch.__version__,
-        "date": dt.date.today().isoformat(),
-    }
+    args = ap.parse_args(argv)
+    command = ["python benchmarks/data_pipeline.py", *(sys.argv[1:] if argv is None else argv)]
+    meta = {"benchmark": "benchmarks/data_pipeline.py", "command": " ".join(command)}
     out = Path(args.out)
-    previous = json.loads(out.read_text()) if out.is_file() else {}
+    previous = _previous(out)
     if args.rss:
         res = run_rss(args)
-        for k in ("small", "big"):
-            print(
-                f"{k:<6} {res[k]['text_mb']:>6} MB text: peak RSS {res[k]['peak_rss_bytes'] / 2**20:,.0f} MiB"
-            )
-        print(
-            f"difference {res['difference_bytes'] / 2**20:,.0f} MiB "
-            f"(acceptance: within 300 MB: {'met' if res['within_300mb'] else 'NOT met'})"
-        )
-        record = {**previous, "rss": {**meta, **res}}
+        _print_rss(res)
+        # The rss entry carries its own provenance; the pipeline figures beside it keep theirs.
+        record = {**previous, "rss": {**meta, **provenance(), **res}}
     else:
         res = run_pipeline(args)
         _print_pipeline(res)
         record = {**meta, **res, **({"rss": previous["rss"]} if "rss" in previous else {})}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1) + "\n")
+    write_result(out, record)  # provenance (commit, machine, torch, date) unless kept from `previous`
     print(f"-> {out}")
 
 

@@ -144,13 +144,13 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--presets", nargs="+", default=list(PRESETS_RUN))
     ap.add_argument("--methods", nargs="+", default=list(METHODS))
     ap.add_argument("--ks", nargs="+", type=int, default=list(KS))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "in_backward_memory.json"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     rows = []
     for preset in args.presets:

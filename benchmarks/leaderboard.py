@@ -11,7 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
-from leaderboard.cli import cli  # noqa: E402  (the package beside this file)
+from leaderboard.cli import cli, main  # noqa: E402, F401  (the package beside this file; main for callers)
 
 if __name__ == "__main__":
     cli()

@@ -23,7 +23,8 @@ Targets are printed beside the measured ratios and not asserted: state bytes <= 
 refresh <= 0.2 x, amortized step <= 0.9 x, captured energy within 1% of exact.
 
 Usage: ``python benchmarks/optimizer_step.py --quick`` (CPU, a few minutes on 2 cores) or
-``--sizes 60m,1b --device cuda``.
+``--sizes 60m,1b --device cuda``. ``--out PATH`` also writes the settings and one row per shape as
+JSON with their provenance (commit, machine, torch, date); by default only the table is printed.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _bench import write_result  # noqa: E402
 
 from optimizers import projection as proj  # noqa: E402
 from optimizers.galore import GaLoreAdamW  # noqa: E402
@@ -268,6 +271,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--decay", type=float, default=1.0, help="spectrum s_i = (i + 1)^-decay of the gradients")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", type=Path, default=None, help="also write the rows (JSON, with provenance) here")
     return ap.parse_args(argv)
 
 
@@ -288,15 +292,23 @@ def _format_row(size: str, shape: tuple[int, int], rank: int, row: dict) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = _parse_args(argv)
-    args.reps = args.reps if args.reps is not None else 3
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    ref_cls = reference_galore()
+def _settings(args: argparse.Namespace, device: torch.device) -> dict:
+    """The run's settings, as the result file records them."""
+    return {
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "sizes": args.sizes.split(","),
+        "quick": args.quick,
+        "gap": args.gap,
+        "oversample": args.oversample,
+        "power_iters": args.power_iters,
+        "decay": args.decay,
+        "reps": args.reps,
+        "steps": args.steps,
+    }
 
+
+def _print_header(args: argparse.Namespace, device: torch.device) -> None:
     print(
         f"device={device} threads={torch.get_num_threads()} torch={torch.__version__} gap={args.gap} "
         f"randomized_svd(p={args.oversample}, q={args.power_iters}) spectrum=(i+1)^-{args.decay} "
@@ -314,12 +326,37 @@ def main(argv: list[str] | None = None) -> None:
     print(header)
     print(sub)
     print("-" * len(header))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = _parse_args(argv)
+    args.reps = args.reps if args.reps is not None else 3
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    ref_cls = reference_galore()
+
+    _print_header(args, device)
+    rows = []
     for size in args.sizes.split(","):
         spec = SIZES[size]
         shapes = QUICK_SHAPES[size] if args.quick else spec["shapes"]
         for shape in shapes:
             row = bench_shape(shape, spec["rank"], args, ref_cls, device)
             print(_format_row(size, shape, spec["rank"], row), flush=True)
+            rows.append({"size": size, "shape": list(shape), "rank": spec["rank"], **row})
+    result = {
+        "benchmark": "benchmarks/optimizer_step.py",
+        "command": " ".join(
+            ["python benchmarks/optimizer_step.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
+        "settings": _settings(args, device),
+        "rows": rows,
+    }
+    if args.out is not None:
+        write_result(args.out, result)
+    return result
 
 
 if __name__ == "__main__":

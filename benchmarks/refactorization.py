@@ -11,9 +11,11 @@ Defaults are the llama_1b MLP shapes at the benchmark's rank: B 2048 x 512, A 51
 The two methods alternate for `--repeats` rounds after a small warm-up. The speedup is the ratio of
 the fastest runs (the least disturbed by other load on a shared machine); the ratio of the medians is
 printed beside it.
-Reconstruction errors are ||B' A' - B A||_F / ||B A||_F, evaluated in fp64.
+Reconstruction errors are ||B' A' - B A||_F / ||B A||_F, evaluated in fp64. ``--out PATH`` writes
+the figures as JSON with their provenance (commit, machine, torch, date); by default none is written.
 
     python benchmarks/refactorization.py [--m 2048] [--n 5461] [--rank 512] [--repeats 3] [--device cpu]
+        [--out PATH]
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+from _bench import write_result
 from torch import Tensor
 
 from optimizers.refactorization import balanced_factors
@@ -81,6 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    ap.add_argument("--out", type=Path, help="also write the result (JSON, with provenance) here")
     args = ap.parse_args(argv)
 
     g = torch.Generator().manual_seed(args.seed)
@@ -125,6 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(result))
     else:
         _print_report(result, times)
+    if args.out is not None:
+        write_result(args.out, result)
     return result
 
 

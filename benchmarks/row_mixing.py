@@ -18,8 +18,10 @@ document-order stream, and for B rows per step it compares the spread of the mea
 blocks of B rows (a document-order batch) with the spread of the means of B rows drawn at random
 from the same rows (a mixed batch). Their ratio is the most mixing can give at that batch size.
 
-Writes ``benchmarks/results/row_mixing.json`` (the runs' commit, the machine, the figures). The two
-runs take about 10 minutes together on 2 CPU cores (one thread each, in parallel).
+Writes ``benchmarks/results/row_mixing.json``: the figures, each run's own commit (``git_commit``
+of its ``summary.json``), and the provenance of this analysis (the commit, machine, torch and date
+of the floor and fixed-model figures; `_bench.provenance`). The two runs take about 10 minutes
+together on 2 CPU cores (one thread each, in parallel).
 
     python benchmarks/row_mixing.py [--work DIR] [--runs ORDER_DIR MIXED_DIR] [--out PATH]
 
@@ -40,8 +42,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-from effpretrain.reporting import cpu_description, git_commit
+from _bench import log, write_result
 
 RUNS = {"order": ["--set", "data.shuffle_buffer=0"], "mixed": []}
 WINDOW = 100
@@ -59,7 +60,7 @@ def train_both(work: Path) -> dict[str, Path]:
         dirs[name] = work / name
         cmd = [sys.executable, "-m", "effpretrain", "train", "--out", str(dirs[name])]
         cmd += ["--set", "train.log_every=1", *extra]
-        print(f"[row_mixing] training {name}: {' '.join(cmd[1:])}", file=sys.stderr)
+        log(f"[row_mixing] training {name}: {' '.join(cmd[1:])}")
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL))
     for p in procs:
         if p.wait() != 0:
@@ -126,7 +127,7 @@ def fixed_model(trainer) -> dict:
 
     cfg = trainer.cfg.data
     order = TokenStream.from_config(trainer.corpus, trainer.tok, dataclasses.replace(cfg, shuffle_buffer=0))
-    print(f"[row_mixing] scoring {FIXED_ROWS} document-order rows with the final model", file=sys.stderr)
+    log(f"[row_mixing] scoring {FIXED_ROWS} document-order rows with the final model")
     losses = row_losses(trainer.model.eval(), order.next_rows(FIXED_ROWS)["input_ids"])
     gen = torch.Generator().manual_seed(0)
     out = {"rows": FIXED_ROWS, "row_loss_std": statistics.stdev(losses), "batches": {}}
@@ -156,8 +157,6 @@ def main(argv: list[str] | None = None) -> dict:
     result["fixed_model"] = fixed_model(trainer)
     o, m = result["order"], result["mixed"]
     result["loss_std_ratio"] = m["loss_std"] / o["loss_std"]
-    result["machine"] = cpu_description()
-    result["analysis_commit"] = git_commit()  # the floor and fixed-model figures
     for name in RUNS:
         r = result[name]
         print(
@@ -175,8 +174,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(
             f"  {b:>4} rows/step: order {r['order_std']:.3f}  mixed {r['mixed_std']:.3f}  ratio {r['ratio']:.3f}"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    # provenance (commit, machine, torch, date) is this analysis's: the floor and fixed-model figures
+    write_result(args.out, result)
     return result
 
 

@@ -27,20 +27,18 @@ products at llama_1b shapes.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _bench import write_result
 from torch import Tensor
 
 from effpretrain.config import load_config
 from effpretrain.memory import saved_tensor_bytes
 from effpretrain.models.factorized import SLTrainLinear
 from effpretrain.models.llama import PRESETS
-from effpretrain.reporting import cpu_description, git_commit
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = ("60m", "130m", "350m", "1b")
@@ -158,15 +156,10 @@ def main(argv: list[str] | None = None) -> dict:
         "command": " ".join(
             ["python benchmarks/sltrain_saved.py", *(sys.argv[1:] if argv is None else argv)]
         ),
-        "git_commit": git_commit(),
-        "machine": cpu_description(),
-        "torch": torch.__version__,
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d"),
         "rows": rows,
         "per_model": models,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result)  # with provenance: commit, machine, torch, date
     print_table(rows, models)
     return result
 
