@@ -57,6 +57,17 @@ def test_train_bad_input_exits_2_one_line(tmp_path, recipe, extra, needle):
 
 
 @pytest.mark.run
+def test_python_dash_m_effpretrain_runs_the_cli(monkeypatch, capsys):
+    """`python -m effpretrain` is the same command line (its __main__ runs `cli.main`)."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["effpretrain", "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("effpretrain", run_name="__main__")
+    assert exit_info.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
 def test_missing_recipe_and_bad_flag(tmp_path):
     assert_bad_input(run_cli("train", str(tmp_path / "nope.yaml")), "recipe not found")
     assert_bad_input(run_cli("estimate", "--model", "llama_1b", "--method", "sgdx"), "--method 'sgdx'")

@@ -24,7 +24,9 @@ SMALL = [
 ]
 
 
-@pytest.mark.parametrize("recipe", ["lowrank_restarts", "sltrain", "relora"])
+@pytest.mark.parametrize(
+    "recipe", [pytest.param("lowrank_restarts", marks=pytest.mark.fast), "sltrain", "relora"]
+)
 @pytest.mark.run
 def test_export_round_trips_outputs(recipe, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -59,7 +61,7 @@ def test_export_resolves_like_resume(tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
-@pytest.mark.parametrize("recipe", ["cola", "cola_m"])
+@pytest.mark.parametrize("recipe", ["cola", pytest.param("cola_m", marks=pytest.mark.fast)])
 @pytest.mark.run
 def test_export_ships_cola_factors_loadable_with_the_factored_class(recipe, tmp_path):
     """CoLA has no dense weight (y = B silu(A x)): the export keeps A and B under a model type of
