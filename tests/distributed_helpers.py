@@ -38,6 +38,14 @@ def registry_recipes() -> list[str]:
     return covering(ROOT / "recipes" / "tiny")
 
 
+def torchrun(nproc: int) -> list[str]:
+    """The torchrun command for `nproc` local processes. ``--standalone``: the launcher binds its
+    own rendezvous port (port 0) and keeps it, where a port picked by `free_port` and bound later
+    could be taken in between by a concurrent test's launcher (two launchers on one port mix their
+    workers: a rank then aborts with "terminate called without an active exception")."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -65,15 +73,6 @@ def run_worker_pair(worker_source: str, out: Path, tail: list[str], nproc: int =
     worker = out / "worker.py"
     worker.write_text(worker_source)
     env = child_env()
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--master_port",
-        str(free_port()),
-    ]
     procs = [
         subprocess.Popen(
             [*launcher, str(worker), str(root), str(out), mode, *tail],
@@ -82,7 +81,7 @@ def run_worker_pair(worker_source: str, out: Path, tail: list[str], nproc: int =
             stderr=subprocess.PIPE,
             text=True,
         )
-        for launcher, mode in ((torchrun, "two"), ([sys.executable], "one"))
+        for launcher, mode in ((torchrun(nproc), "two"), ([sys.executable], "one"))
     ]
     for proc in procs:
         _, err = proc.communicate(timeout=1200)

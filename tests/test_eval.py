@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from _common import ROOT, child_env
-from distributed_helpers import free_port
+from distributed_helpers import torchrun
 
 from effpretrain import data, evaluation
 from effpretrain.config import DataConfig, load_config
@@ -175,8 +175,7 @@ def test_one_checkpoint_evaluated_by_one_and_by_two_processes_agrees(checkpoint)
     env = child_env()
     for k in ("WORLD_SIZE", "MASTER_ADDR", "RANK", "LOCAL_RANK"):
         env.pop(k, None)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    launchers = [[sys.executable], [*torchrun, "--master_port", str(free_port())]]
+    launchers = [[sys.executable], torchrun(2)]
     procs = [
         subprocess.Popen(
             [*launcher, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from _common import ROOT, child_env
-from distributed_helpers import COMMON, final, free_port, rel_diff
+from distributed_helpers import COMMON, final, free_port, rel_diff, torchrun
 
 RECIPE = ROOT / "recipes" / "tiny" / "galore.yaml"
 BIN = Path(sys.executable).parent
@@ -42,16 +42,13 @@ def _accelerate(config: str) -> list[str]:
     ]
 
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
 PER_PROCESS = ["train.batch_size=2"]
 LAUNCHES = {
     "accelerate-ddp": lambda out: _train(_accelerate("ddp_cpu.yaml"), out, PER_PROCESS),
     "accelerate-fsdp2": lambda out: _train(
         _accelerate("fsdp2_cpu.yaml"), out, [*PER_PROCESS, "dist.sharding=fsdp2"]
     ),
-    "torchrun-fsdp2": lambda out: _train(
-        [*TORCHRUN, "--master_port", str(free_port())], out, [*PER_PROCESS, "dist.sharding=fsdp2"]
-    ),
+    "torchrun-fsdp2": lambda out: _train(torchrun(2), out, [*PER_PROCESS, "dist.sharding=fsdp2"]),
     # The reference: one process at the global batch 2 x 2 (the same validation rows: train.eval_tokens).
     "one-process": lambda out: _train([sys.executable], out, ["train.batch_size=4"]),
 }

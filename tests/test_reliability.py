@@ -391,19 +391,15 @@ def test_sigterm_to_ddp_ranks_on_either_side_of_a_step_stops_every_rank_at_the_s
     stop all of them after the same step; otherwise one saves while the other trains on and both
     wait forever in mismatched collectives. The other rank's own signal, arriving during the save,
     is its first: it does not stop that rank at once (which would leave the other hanging)."""
-    import socket
+    from distributed_helpers import torchrun
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     worker, err = tmp_path / "worker.py", tmp_path / "stderr.txt"
     worker.write_text(DDP_SIGNAL_WORKER)
     over = SMALL + ["train.max_steps=10", "train.eval_every=0", "train.batch_size=2"]
     env = child_env()
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     with open(err, "w") as fh:
         proc = subprocess.Popen(
-            [*launcher, "--master_port", str(port), str(worker), str(tmp_path), str(RECIPE), *over],
+            [*torchrun(2), str(worker), str(tmp_path), str(RECIPE), *over],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=fh,

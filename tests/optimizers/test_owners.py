@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import random
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -244,10 +243,9 @@ def _run(world: int, out: Path) -> dict:
     worker = out / "worker.py"
     worker.write_text(WORKER)
     env = child_env()
-    from distributed_helpers import free_port
+    from distributed_helpers import torchrun
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world)]
-    cmd += ["--master_port", str(free_port()), str(worker), str(out), ",".join(METHODS)]
+    cmd = [*torchrun(world), str(worker), str(out), ",".join(METHODS)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / "report.json").read_text())
