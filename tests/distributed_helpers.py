@@ -41,8 +41,7 @@ def registry_recipes() -> list[str]:
 def torchrun(nproc: int) -> list[str]:
     """The torchrun command for `nproc` local processes. ``--standalone``: the launcher binds its
     own rendezvous port (port 0) and keeps it, where a port picked by `free_port` and bound later
-    could be taken in between by a concurrent test's launcher (two launchers on one port mix their
-    workers: a rank then aborts with "terminate called without an active exception")."""
+    can be taken in between by a concurrent test's processes."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
 
 
