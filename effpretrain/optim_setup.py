@@ -17,7 +17,7 @@ import optimizers
 from effpretrain.config import RunConfig
 from effpretrain.errors import ConfigError
 from effpretrain.models import FACTOR_KINDS, factor_pairs, factor_spec, relora_merge_
-from effpretrain.models.factorized import warm_start_layers
+from effpretrain.models.factorized import FactorizedLinear, warm_start_layers
 from optimizers import Restarts
 from optimizers.restarts import recovery_factor
 
@@ -201,18 +201,29 @@ def _sort_params(
     model: torch.nn.Module, cfg: RunConfig, warm: list[Any], heads: bool
 ) -> tuple[list, list, dict[str, list], list, list]:
     """Every trainable parameter (and a warm start's factors) by rule: projected, head-blocked,
-    whole-matrix (by role), decayed matrix, undecayed vector; a warm start's W0s are left out."""
+    whole-matrix (by role), decayed matrix, undecayed vector; a warm start's W0s are left out.
+
+    Each parameter is sorted once, where it is first found: a matrix that two modules share (tied
+    input and output embeddings) gets one group entry, so one update and one optimizer state.
+
+    Raises:
+        ConfigError: a module named in ``optim.targets`` is not a linear layer (`_check_target`).
+    """
     spec = optimizers.method_spec(cfg.optim.name)
     targets = set(cfg.optim.targets)
     w0s = {id(layer.weight) for layer in warm}
     phased = w0s | {id(p) for layer in warm for p in layer.factor_pair()}
+    seen: set[int] = set()
     proj, head, decay, no_decay = [], [], [], []
     matrix: dict[str, list[torch.nn.Parameter]] = {}  # whole-matrix groups by role (registry)
     for mod_name, module in model.named_modules():
         attr = mod_name.rsplit(".", 1)[-1]
+        if attr in targets:
+            _check_target(mod_name, module, cfg)
         for pname, p in module.named_parameters(recurse=False):
-            if id(p) in w0s or not (p.requires_grad or id(p) in phased):
+            if id(p) in seen or id(p) in w0s or not (p.requires_grad or id(p) in phased):
                 continue
+            seen.add(id(p))
             target = isinstance(module, torch.nn.Linear) and attr in targets and pname == "weight"
             role = spec.matrix_role(
                 target=target, embedding=isinstance(module, torch.nn.Embedding), ndim=p.ndim
@@ -227,7 +238,25 @@ def _sort_params(
                 no_decay.append(p)
             else:
                 decay.append(p)
+    if spec.matrix_params is not None and "hidden" not in matrix:
+        raise ConfigError(
+            f"optim.targets={sorted(targets)} matched no linear weight to step whole "
+            f"(method {cfg.optim.name}, factor.kind={cfg.factor.kind})"
+        )
     return proj, head, matrix, decay, no_decay
+
+
+def _check_target(name: str, module: torch.nn.Module, cfg: RunConfig) -> None:
+    """A module that ``optim.targets`` names must be a linear layer: a `torch.nn.Linear` (weight
+    out x in), or a factorized layer that replaced one. Anything else (transformers' ``Conv1D``,
+    whose weight is stored in x out) is refused rather than trained under another rule."""
+    if isinstance(module, (torch.nn.Linear, FactorizedLinear)):
+        return
+    kind = f"{type(module).__module__}.{type(module).__qualname__}"
+    raise ConfigError(
+        f"optim.targets names {name!r}, a {kind}: method {cfg.optim.name} steps only torch.nn.Linear "
+        "weights there; choose targets that are nn.Linear modules"
+    )
 
 
 def _check_projected(proj: list[torch.Tensor], cfg: RunConfig) -> None:

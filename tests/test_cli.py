@@ -46,6 +46,9 @@ def assert_bad_input(proc: subprocess.CompletedProcess, needle: str) -> None:
         ),
         ("{}\n", ["--set", "train.max_steps=-3"], "train.max_steps=-3 must be > 0"),
         ("{}\n", ["--set", "nonsense"], "is not of the form section.key=value"),
+        # Targets that match nothing, per family that has targets: projection and whole-matrix.
+        ("optim:\n  name: galore\n  targets: [nope]\n", [], "matched no linear weight to project"),
+        ("optim:\n  name: muon\n  targets: [nope]\n", [], "matched no linear weight to step whole"),
     ],
 )
 @pytest.mark.run

@@ -123,11 +123,15 @@ def _checked_targets(
     if factor_spec(kind).sparse:
         sparse_nnz(1, 1, density)  # validates density before any surgery
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
-    found = [
-        (name, mod)
-        for name, mod in model.named_modules()
-        if isinstance(mod, nn.Linear) and name.rpartition(".")[2] in targets
-    ]
+    named = [(name, mod) for name, mod in model.named_modules() if name.rpartition(".")[2] in targets]
+    other = [(name, mod) for name, mod in named if not isinstance(mod, (nn.Linear, FactorizedLinear))]
+    if other:
+        name, mod = other[0]
+        raise ValueError(
+            f"apply_factorization(kind={kind!r}): {name} is a {type(mod).__module__}.{type(mod).__qualname__}, "
+            "not torch.nn.Linear; only nn.Linear modules can be factorized"
+        )
+    found = [(name, mod) for name, mod in named if isinstance(mod, nn.Linear)]
     if not found:
         raise ValueError(
             f"apply_factorization(kind={kind!r}) replaced nothing: no nn.Linear named one of {list(targets)} "
