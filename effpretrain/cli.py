@@ -23,6 +23,7 @@ from effpretrain.loss import LossKind
 from effpretrain.memory import estimate, format_table
 from effpretrain.memory.published import RECIPES
 from effpretrain.models import FACTOR_KINDS, PRESETS
+from effpretrain.models.llama import load_hf_config, model_label, shape_of
 from effpretrain.signals import RunInterrupted
 
 DEFAULT_RECIPE = "recipes/tiny/adamw.yaml"
@@ -69,7 +70,14 @@ def _add_estimate(sub) -> None:
     from typing import get_args
 
     e = sub.add_parser("estimate", help="analytic memory breakdown (no model is built)")
-    e.add_argument("--model", required=True, help="preset, e.g. llama_1b")
+    which = e.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", help="preset, e.g. llama_1b or llama_7b")
+    which.add_argument(
+        "--config",
+        metavar="PATH",
+        help="an HF config of a supported architecture (Llama, Mistral, Qwen2, Qwen3): a config.json, "
+        "its folder, or a hub id where the network is reachable",
+    )
     e.add_argument(
         "--method",
         default="adamw",
@@ -194,14 +202,21 @@ def _default_out(cfg, resume: str | None) -> Path:
         # A checkpoint folder runs/X/checkpoints/step-N resumes into runs/X.
         return p.parent.parent if p.parent.name == "checkpoints" else p
     if resume == "auto":
-        return Path("runs") / f"{cfg.method}-{cfg.model.preset}"
-    return Path("runs") / f"{cfg.method}-{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+        return Path("runs") / f"{cfg.method}-{model_label(cfg.model)}"
+    return Path("runs") / f"{cfg.method}-{model_label(cfg.model)}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def cmd_estimate(args) -> int:
 
-    if args.model not in PRESETS:
+    if args.config:
+        try:
+            model = shape_of(load_hf_config(args.config))
+        except ValueError as e:
+            raise ConfigError(f"--config: {e}") from None
+    elif args.model not in PRESETS:
         raise ConfigError(f"--model {args.model!r} is not one of {', '.join(PRESETS)}")
+    else:
+        model = args.model
     method, factor, restarts = _method_structure(args.method)
     sizes = {"--rank": args.rank, "--world-size": args.world_size, "--batch-size": args.batch_size}
     sizes["--grad-accum"] = args.grad_accum
@@ -214,7 +229,7 @@ def cmd_estimate(args) -> int:
     rank = args.rank or 128
     sharding = args.sharding if args.sharding != "none" or args.world_size == 1 else "ddp"
     est = estimate(
-        args.model,
+        model,
         method,
         dtype=_precision(args.dtype),
         vocab_size=args.vocab_size,

@@ -1,4 +1,4 @@
-"""Training FLOPs per token of a preset's matrix multiplies (the leaderboard's column), and model
+"""Training FLOPs per token of a model's matrix multiplies (the leaderboard's column), and model
 FLOPs utilisation (MFU): achieved model FLOP/s over the devices' peak dense bf16 FLOP/s."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import torch
 from effpretrain.config import ATTN_MLP_TARGETS, RunConfig
 from effpretrain.memory import model_param_shapes
 from effpretrain.models.factorized import factor_spec
-from effpretrain.models.llama import PRESETS
+from effpretrain.models.llama import ModelShape, model_shape, resolve_shape
 
 
 def flops_per_token(
-    preset: str,
+    preset: str | ModelShape,
     vocab_size: int,
     seq_len: int,
     factor_kind: str = "none",
@@ -25,14 +25,18 @@ def flops_per_token(
     factor_targets: Sequence[str] | None = None,
     tokens_per_step: int | None = None,
 ) -> float:
-    """Training FLOPs per token (forward + backward) of a preset's matrix multiplies.
+    """Training FLOPs per token (forward + backward) of a model's matrix multiplies (a
+    preset's name or any `ModelShape`).
 
     Counted per token, 2 FLOPs per multiply-add:
 
     - a trainable dense m x n linear: 6 m n (forward 2 m n, input gradient 2 m n, weight
       gradient 2 m n); the lm_head likewise 6 V h; the embedding lookup 0;
-    - attention scores and the weighted sum of values: 12 L h T per token for sequence length T
-      (PaLM's count; the causal mask is not exploited);
+    - a tied head (the embedding's matrix) likewise 6 V h: the matrix is one parameter, the
+      product is still made;
+    - attention scores and the weighted sum of values: 12 L q T per token for sequence length T and
+      query width q = heads x head_dim (PaLM's count, h for the LLaMA presets; the causal mask is
+      not exploited; grouped-query attention's narrower k and v do not change it);
     - a factorized target (`factor_kind`, on the linears named in `factor_targets`): its
       `FactorSpec.flops_per_token` (Low-Rank 6 r (m + n); a frozen W0 adds 4 m n; SLTrain as
       implemented 6 m n plus the once-per-step B A product and its backward, 6 m n r, spread over
@@ -46,9 +50,11 @@ def flops_per_token(
     """
     spec = factor_spec(factor_kind) if factor_kind != "none" else None
     targets = set(factor_targets or ATTN_MLP_TARGETS)
-    p = PRESETS[preset]
-    total = 12.0 * p.layers * p.hidden * seq_len
-    for s in model_param_shapes(preset, vocab_size):
+    p = resolve_shape(preset)
+    total = 12.0 * p.layers * p.q_width * seq_len
+    if p.tied:
+        total += 6 * vocab_size * p.hidden
+    for s in model_param_shapes(p, vocab_size):
         if s.linear is None:  # norms, and the embedding (a lookup)
             continue
         m, n = s.shape
@@ -135,11 +141,11 @@ def mfu(model_flops_per_s: float, peak: float | None, world_size: int = 1) -> fl
 
 
 def run_flops_per_token(cfg: RunConfig, vocab_size: int, world_size: int = 1) -> float:
-    """`flops_per_token` of a run's model as its config builds it (preset, vocabulary, sequence
+    """`flops_per_token` of a run's model as its config builds it (preset or HF config, vocabulary, sequence
     length, factorization), with SLTrain's once-per-step product spread over the step's tokens."""
     t, f = cfg.train, cfg.factor
     return flops_per_token(
-        cfg.model.preset,
+        model_shape(cfg.model),
         vocab_size,
         cfg.data.seq_len,
         f.kind,

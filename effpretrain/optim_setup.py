@@ -18,6 +18,8 @@ from effpretrain.config import RunConfig
 from effpretrain.errors import ConfigError
 from effpretrain.models import FACTOR_KINDS, factor_pairs, factor_spec, relora_merge_
 from effpretrain.models.factorized import FactorizedLinear, warm_start_layers
+from effpretrain.models.llama import model_shape
+from effpretrain.run_model import build_run_model
 from optimizers import Restarts
 from optimizers.restarts import recovery_factor
 
@@ -163,7 +165,8 @@ def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str,
     other matrix gets AdamW with weight decay; vectors (norms, biases) get no weight decay.
     Frozen parameters are left out. For a method with head blocks (`MethodSpec.head_blocks`:
     Adam-mini) the query and key linear weights get a group of their own carrying the head size
-    (`head_group`). A method that steps factor pairs (`MethodSpec.steps_factor_pairs`:
+    (`head_group`), and every linear layer's bias one of its own (`MethodSpec.bias_group`: plain
+    Adam, as the reference). A method that steps factor pairs (`MethodSpec.steps_factor_pairs`:
     LORO) gets every (B, A) pair in one marked group first.
 
     With a warm start (`factor.warm_start_steps`) the groups are the same in both phases, so a
@@ -177,7 +180,7 @@ def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str,
     spec = optimizers.method_spec(o.name)
     warm = warm_start_layers(model) if cfg.factor.warm_start_steps else []
     heads = head_group(o.name, _head_dim(model))
-    proj, head, matrix, decay, no_decay = _sort_params(model, cfg, warm, bool(heads))
+    proj, head, matrix, decay, no_decay, bias = _sort_params(model, cfg, warm, bool(heads))
     _check_projected(proj, cfg)
     groups = []
     if spec.steps_factor_pairs:
@@ -192,16 +195,29 @@ def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str,
         groups.append({"params": decay, "weight_decay": o.weight_decay})
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
+    if bias:
+        groups.append({"params": bias, "weight_decay": 0.0, **spec.bias_group()})
     if warm:
         groups.append({"params": [layer.weight for layer in warm], "weight_decay": o.weight_decay})
     return groups
 
 
+def check_param_groups(cfg: RunConfig) -> None:
+    """Builds the run's model on the meta device and its param groups (`build_param_groups`), so
+    targets, ranks and factor options that cannot work are refused before any data is read or a
+    tokenizer trained. The vocabulary is the preset's or config's: the groups do not depend on it.
+    """
+    with torch.device("meta"):
+        model, _ = build_run_model(cfg, model_shape(cfg.model).vocab)
+    build_param_groups(model, cfg)
+
+
 def _sort_params(
     model: torch.nn.Module, cfg: RunConfig, warm: list[Any], heads: bool
-) -> tuple[list, list, dict[str, list], list, list]:
+) -> tuple[list, list, dict[str, list], list, list, list]:
     """Every trainable parameter (and a warm start's factors) by rule: projected, head-blocked,
-    whole-matrix (by role), decayed matrix, undecayed vector; a warm start's W0s are left out.
+    whole-matrix (by role), decayed matrix, undecayed vector, and (with head blocks) a linear
+    layer's bias; a warm start's W0s are left out.
 
     Each parameter is sorted once, where it is first found: a matrix that two modules share (tied
     input and output embeddings) gets one group entry, so one update and one optimizer state.
@@ -214,7 +230,7 @@ def _sort_params(
     w0s = {id(layer.weight) for layer in warm}
     phased = w0s | {id(p) for layer in warm for p in layer.factor_pair()}
     seen: set[int] = set()
-    proj, head, decay, no_decay = [], [], [], []
+    proj, head, bias, decay, no_decay = [], [], [], [], []
     matrix: dict[str, list[torch.nn.Parameter]] = {}  # whole-matrix groups by role (registry)
     for mod_name, module in model.named_modules():
         attr = mod_name.rsplit(".", 1)[-1]
@@ -230,8 +246,10 @@ def _sort_params(
             )
             if spec.projects and target:
                 proj.append(p)
-            elif heads and isinstance(module, torch.nn.Linear) and attr in HEAD_TARGETS:
+            elif heads and isinstance(module, torch.nn.Linear) and attr in HEAD_TARGETS and pname == "weight":
                 head.append(p)
+            elif heads and isinstance(module, torch.nn.Linear) and pname == "bias":
+                bias.append(p)
             elif role is not None:
                 matrix.setdefault(role, []).append(p)
             elif p.ndim < 2:
@@ -243,7 +261,7 @@ def _sort_params(
             f"optim.targets={sorted(targets)} matched no linear weight to step whole "
             f"(method {cfg.optim.name}, factor.kind={cfg.factor.kind})"
         )
-    return proj, head, matrix, decay, no_decay
+    return proj, head, matrix, decay, no_decay, bias
 
 
 def _check_target(name: str, module: torch.nn.Module, cfg: RunConfig) -> None:

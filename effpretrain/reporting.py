@@ -22,11 +22,13 @@ import torch
 
 import optimizers
 from effpretrain import flops, memory
+from effpretrain.checkpoint.weights import without_aliases
 from effpretrain.config import RunConfig, config_hash, dump_yaml, to_dict
 from effpretrain.evaluation import EvalResult
 from effpretrain.memory import measure
 from effpretrain.memory.measure import MEASURED_KEYS
 from effpretrain.models.factorized import warming_up
+from effpretrain.models.llama import model_label
 from effpretrain.optim_setup import opt_telemetry
 from optimizers._sharded import local as _local
 
@@ -234,7 +236,7 @@ def _result_fields(
         "method": cfg.method,
         "optimizer": cfg.optim.name,
         "factor": cfg.factor.kind,
-        "model": cfg.model.preset,
+        "model": model_label(cfg.model),
         "vocab_size": vocab,
         "params": sum(q.numel() for q in model.parameters()),
         "trainable_params": sum(q.numel() for q in model.parameters() if q.requires_grad),
@@ -262,7 +264,9 @@ def _memory_fields(
 ) -> dict[str, Any]:
     """Measured memory beside the estimate: the process peak, weights and optimizer state (every
     rank's, compared rank by rank), the measured steps by category, and the estimate."""
-    weight_bytes = sum(_local(v).numel() * v.element_size() for v in model.state_dict().values())
+    # A tied matrix (the head that is the embedding) is one tensor under two keys: counted once.
+    weights = without_aliases(model.state_dict())
+    weight_bytes = sum(_local(v).numel() * v.element_size() for v in weights.values())
     est = memory.estimate_from_config(cfg, vocab_size, acc.num_processes, sharding)
     measured_state = optimizers.measured_state_bytes(opt)
     # A run with a warm start ends in its factorized phase (unless it never left the warm start).

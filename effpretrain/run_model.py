@@ -17,21 +17,31 @@ from effpretrain.errors import ConfigError
 from effpretrain.loss import token_loss_sum
 from effpretrain.models import FACTOR_KINDS, apply_factorization, build_model, set_activation_checkpointing
 from effpretrain.models.factorized import begin_warm_start_
+from effpretrain.models.llama import load_hf_config, shape_of
 
 
 def build_run_model(cfg: RunConfig, vocab_size: int) -> tuple[torch.nn.Module, dict[str, Any] | None]:
-    """The fp32 model a run trains: the preset, seeded, plus factorization surgery if configured.
+    """The fp32 model a run trains: the preset, or ``model.config``'s model as it is, seeded,
+    plus factorization surgery if configured.
 
     Returns:
         The model and the surgery's report (None without a factorization).
 
     Raises:
-        ConfigError: `data.seq_len` exceeds the positions, or the factorization rejects its options.
+        ConfigError: `data.seq_len` exceeds the positions, ``model.config`` cannot be read, is not
+            a supported architecture or its vocabulary is not the tokenizer's, or the factorization
+            rejects its options.
     """
-    max_pos = cfg.model.max_position_embeddings or cfg.data.seq_len
-    if cfg.data.seq_len > max_pos:
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_position_embeddings={max_pos}")
-    model = build_model(cfg.model.preset, vocab_size, max_pos, seed=cfg.train.seed)
+    if cfg.model.config:
+        hf_config = run_hf_config(cfg, vocab_size)
+        model = build_model(hf_config, seed=cfg.train.seed)
+    else:
+        max_pos = cfg.model.max_position_embeddings or cfg.data.seq_len
+        if cfg.data.seq_len > max_pos:
+            raise ConfigError(
+                f"data.seq_len={cfg.data.seq_len} exceeds model.max_position_embeddings={max_pos}"
+            )
+        model = build_model(cfg.model.preset, vocab_size, max_pos, seed=cfg.train.seed)
     report = None
     if cfg.factor.kind != "none":
         try:
@@ -47,6 +57,33 @@ def build_run_model(cfg: RunConfig, vocab_size: int) -> tuple[torch.nn.Module, d
         except ValueError as e:
             raise ConfigError(f"factor: {e}") from None
     return model, report
+
+
+def run_hf_config(cfg: RunConfig, vocab_size: int) -> Any:
+    """``model.config``'s transformers config, checked against the run: a supported architecture,
+    the tokenizer's vocabulary, enough positions for ``data.seq_len`` (``model.
+    max_position_embeddings``, when set, replaces the config's)."""
+    source = cfg.model.config
+    try:
+        hf_config = load_hf_config(source)
+        shape_of(hf_config)
+    except ValueError as e:
+        raise ConfigError(f"model.config: {e}") from None
+    if hf_config.vocab_size != vocab_size:
+        raise ConfigError(
+            f"model.config: vocab_size={hf_config.vocab_size} but the tokenizer has {vocab_size} tokens; "
+            "use a config and a tokenizer (data.tokenizer) of the same vocabulary"
+        )
+    if cfg.model.max_position_embeddings:
+        hf_config.max_position_embeddings = cfg.model.max_position_embeddings
+    if cfg.data.seq_len > hf_config.max_position_embeddings:
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} exceeds model.config's max_position_embeddings="
+            f"{hf_config.max_position_embeddings}"
+        )
+    hf_config.use_cache = False
+    hf_config._attn_implementation = "sdpa"
+    return hf_config
 
 
 def place_model(

@@ -24,7 +24,7 @@ import torch
 
 import optimizers
 from effpretrain import data as data_mod
-from effpretrain import evaluation, flops, memory
+from effpretrain import evaluation, flops, memory, optim_setup
 from effpretrain.checkpoint import Checkpointer, find_resume
 from effpretrain.checkpoint import complete_checkpoints as _complete_checkpoints
 from effpretrain.compile import check_compilable, compile_seconds
@@ -79,8 +79,9 @@ class Trainer:
         self._set_up_processes()
         if not allow_oversubscribe:
             self._preflight()
-        # Resume target first: a bad --resume must fail before any work or any write.
+        # A bad --resume, targets or ranks that cannot work: refused before any work or any write.
         self.resume_path = self._resume_target(resume)
+        optim_setup.check_param_groups(cfg)
         self._set_up_data()
         self._set_up_model_and_optimizer(self._build_model())
         self.progress = Progress()

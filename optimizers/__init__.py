@@ -172,6 +172,11 @@ class MethodSpec:
         """The group options of the query and key weights (empty unless `head_blocks`)."""
         return {"block_rows": int(head_dim)} if self.head_blocks else {}
 
+    def bias_group(self) -> dict[str, Any]:
+        """The group options of a linear layer's bias (Qwen2's q/k/v): under head blocks one block
+        per entry, plain Adam, as Adam-mini's reference steps every bias; empty otherwise."""
+        return {"block_rows": 1} if self.head_blocks else {}
+
     @property
     def class_name(self) -> str:
         return self.target.split(":")[1]

@@ -49,6 +49,7 @@ def assert_bad_input(proc: subprocess.CompletedProcess, needle: str) -> None:
         # Targets that match nothing, per family that has targets: projection and whole-matrix.
         ("optim:\n  name: galore\n  targets: [nope]\n", [], "matched no linear weight to project"),
         ("optim:\n  name: muon\n  targets: [nope]\n", [], "matched no linear weight to step whole"),
+        ("model:\n  config: missing/config.json\n", [], "model.config: missing/config.json: no such file"),
     ],
 )
 @pytest.mark.run

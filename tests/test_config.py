@@ -75,7 +75,7 @@ def test_every_issue_key_exists():
         ("optim:\n  lr: -0.001\n", "optim.lr=-0.001 must be > 0"),
         ("train:\n  precision: fp16\n", "train.precision='fp16' is not one of"),
         ("optim:\n  name: sgdx\n", "optim.name='sgdx' is not one of"),
-        ("model:\n  preset: llama_7b\n", "model.preset='llama_7b' is not one of"),
+        ("model:\n  preset: llama_70b\n", "model.preset='llama_70b' is not one of"),
         ("train:\n  warmup_ratio: 1.5\n", "train.warmup_ratio=1.5 must be in [0, 1]"),
         ("data:\n  source: files\n", "data.path is required"),
         ("data:\n  source: files\n  path: nowhere/x.txt\n", "data.path not found"),

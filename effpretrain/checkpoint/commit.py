@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from effpretrain.checkpoint.weights import without_aliases
+
 MARKER = "COMPLETE"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -136,8 +138,9 @@ def _write_files(
     from safetensors.torch import save_file
 
     if model_state is not None:
-        # safetensors refuses shared or non-contiguous storage; clone what needs it.
-        tensors = {k: v.detach().contiguous().cpu() for k, v in model_state.items()}
+        # safetensors refuses shared or non-contiguous storage: a tied matrix is stored once (under
+        # its first key; loading ties it again), the rest made contiguous.
+        tensors = {k: v.detach().contiguous().cpu() for k, v in without_aliases(model_state).items()}
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"step": str(step)})
     if optimizer_state is not None:
         torch.save(optimizer_state, tmp / "optimizer.pt")

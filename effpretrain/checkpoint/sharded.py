@@ -26,7 +26,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from effpretrain.checkpoint.commit import unwrap_dcp
-from effpretrain.checkpoint.weights import load_model_weights
+from effpretrain.checkpoint.weights import load_model_weights, without_aliases
 
 _PLACEHOLDER = "__dcp__"
 
@@ -152,7 +152,8 @@ def save_sharded(folder: Path, model: torch.nn.Module, opt: torch.optim.Optimize
     tensors: dict[str, torch.Tensor] = {}
     by_name = _keyed_by_name(opt.state_dict(), _param_names(model, opt))
     skeleton = _split(by_name, "optim", tensors)
-    dcp.save({"model": model.state_dict(), "optim": tensors}, checkpoint_id=str(folder))
+    # A tied matrix (the head that is the embedding) is written once, as in a whole checkpoint.
+    dcp.save({"model": without_aliases(model.state_dict()), "optim": tensors}, checkpoint_id=str(folder))
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, skeleton["state"])
@@ -199,7 +200,7 @@ def load_sharded(
             tensors[key] = torch.zeros_like(p, dtype=dtype)
         else:
             tensors[key] = torch.empty_strided(ph["shape"], ph["stride"], dtype=dtype)
-    state = {"model": model.state_dict(), "optim": tensors}
+    state = {"model": without_aliases(model.state_dict()), "optim": tensors}
     dcp.load(state, checkpoint_id=str(folder))
     load_model_weights(model, state["model"], folder)
     opt.load_state_dict(_keyed_by_index(_fill(skeleton, tensors), names))

@@ -29,10 +29,16 @@ from effpretrain.config.types import (
 
 @dataclass
 class ModelConfig:
-    """Which LLaMA to build (see effpretrain.models.PRESETS)."""
+    """Which model to build: a preset (effpretrain.models.PRESETS) or an HF config of the LLaMA
+    family (docs/models.md)."""
 
     preset: Preset = "tiny"
-    """The model's shape (layers, width, heads)."""
+    """The model's shape (layers, width, heads); not read when `model.config` is set."""
+    config: str = ""
+    """A HuggingFace config of a LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or
+    Qwen3ForCausalLM: a config.json file, its folder, or a hub id (where the network is
+    reachable); the model is built from it as it is, freshly initialised. Its vocab_size must equal
+    the tokenizer's. Empty: `model.preset`."""
     max_position_embeddings: NonNegativeInt = 0
     """Positions the model supports; 0: `data.seq_len`."""
 

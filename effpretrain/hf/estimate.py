@@ -15,7 +15,7 @@ from effpretrain.config import (
 )
 from effpretrain.hf.factory import factor_config
 from effpretrain.hf.registry import _config_of, _engine_of, _method_of
-from effpretrain.models.llama import PRESETS
+from effpretrain.models.llama import PRESETS, ModelShape, shape_of
 from optimizers.momentum_reset import unwrap_optimizer
 
 log = logging.getLogger(__name__)
@@ -24,19 +24,14 @@ log = logging.getLogger(__name__)
 # Memory
 
 
-def _preset_of(model: torch.nn.Module) -> str | None:
-    """The preset whose LlamaForCausalLM shapes `model` has (any vocabulary size), if one does."""
+def _shape_of(model: torch.nn.Module) -> ModelShape | None:
+    """The `ModelShape` of a model of a supported architecture (any size and vocabulary: Llama,
+    Mistral, Qwen2, Qwen3), None for any other model."""
     c = getattr(model, "config", None)
-    if getattr(c, "model_type", None) != "llama":
+    try:
+        return shape_of(c) if c is not None else None
+    except ValueError:
         return None
-    if c.tie_word_embeddings or getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
-        return None
-    if getattr(c, "num_key_value_heads", c.num_attention_heads) != c.num_attention_heads:
-        return None
-    shape = (c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_hidden_layers)
-    return next(
-        (n for n, p in PRESETS.items() if (p.hidden, p.intermediate, p.heads, p.layers) == shape), None
-    )
 
 
 def _dtype_name(model: torch.nn.Module, bf16_autocast: bool) -> str | None:
@@ -72,7 +67,8 @@ def estimate_memory(
 ) -> memory.Estimate:
     """The analytic memory estimate for training `model` with `optimizer`, in bytes (one process).
 
-    When the model is a LLaMA with a preset's shapes (any vocabulary size, fp32 or bf16) this is
+    When the model is of a supported architecture (Llama, Mistral, Qwen2, Qwen3; any shape and
+    vocabulary, fp32 or bf16) this is
     `effpretrain.memory.estimate`, the same numbers as ``effpretrain estimate`` and a run's
     summary.json, activations included (when `seq_len` is known). Otherwise weights, gradients and
     optimizer state are derived from the model's actual parameters and the optimizer's actual
@@ -91,15 +87,15 @@ def estimate_memory(
         grad_clip: the clipping threshold (in backward, 0 allows GaLore's low-rank accumulators).
 
     An optimizer from ``create_optimizer(..., update_in_backward=True)`` gets the in-backward
-    gradient terms (preset models; `effpretrain.memory.estimate`).
+    gradient terms (supported architectures; `effpretrain.memory.estimate`).
     """
     method = _method_of(optimizer)
-    preset, dtype = _preset_of(model), _dtype_name(model, bf16_autocast)
-    if preset is None or dtype is None or method is None:
+    shape, dtype = _shape_of(model), _dtype_name(model, bf16_autocast)
+    if shape is None or dtype is None or method is None:
         return _from_parameters(model, optimizer, method)
     f, cfg = factor_config(model), _config_of(optimizer)
     est = memory.estimate(
-        preset,
+        shape,
         method,
         dtype=dtype,
         vocab_size=model.config.vocab_size,
@@ -115,14 +111,14 @@ def estimate_memory(
         update_in_backward=_engine_of(optimizer) is not None,
         grad_clip=grad_clip,
     )
-    est.detail["source"] = f"preset:{preset}"
+    est.detail["source"] = f"{'preset' if shape.label in PRESETS else 'model'}:{shape.label}"
     if seq_len is None:
         est = dataclasses.replace(est, activations=0, detail={**est.detail, "activations": "unknown"})
     return est
 
 
 def _from_parameters(model: torch.nn.Module, optimizer: Any, method: str | None) -> memory.Estimate:
-    """Weights, gradients and optimizer state of a model that is not a preset's, from its actual
+    """Weights, gradients and optimizer state of a model of another architecture, from its actual
     parameters and the optimizer's actual param groups (`optimizers.state_bytes`)."""
     params = list(model.parameters())
     weights = memory.tensor_bytes(params)

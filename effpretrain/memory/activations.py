@@ -13,40 +13,63 @@ from effpretrain.loss import DEFAULT_CHUNK_TOKENS
 from effpretrain.loss import loss_bytes as own_terms
 from effpretrain.memory.terms import ParamShape, _layer_of, precision
 from effpretrain.models.factorized import FactorSpec
-from effpretrain.models.llama import PRESETS
+from effpretrain.models.llama import ModelShape, resolve_shape
 
 
 @dataclass(frozen=True)
 class SavedBytes:
-    """Bytes a LLaMA decoder block (HF LlamaDecoderLayer, SDPA, SiLU MLP, RMSNorm) saves for
-    backward per token, by precision: ``block_h`` per hidden unit outside the MLP's i-wide
-    tensors, ``mlp_i`` per intermediate unit, ``final_norm_h`` for the final RMSNorm (whose output
-    the head reads), ``residual`` the residual stream's itemsize, ``weight_cast`` the bytes per
-    element of each linear weight's autocast copy (0 without autocast).
+    """Bytes a decoder block of the LLaMA family (HF's LlamaDecoderLayer and its Mistral, Qwen2
+    and Qwen3 kin; SDPA, SiLU MLP, RMSNorm) saves for backward per token, by precision:
+    ``norm_h`` per hidden unit for its two RMSNorms, ``cast_h`` per hidden unit for autocast's
+    casts of the linears' inputs, ``attn`` per element of SDPA's q and k (after RoPE), v and
+    output (2 q_width + 2 kv_width), ``mlp_i`` per intermediate unit, ``qk_norm`` per element of q
+    and k for Qwen3's per-head norms, ``final_norm_h`` for the final RMSNorm (whose output the head
+    reads), ``residual`` the residual stream's itemsize, ``weight_cast`` the bytes per element of
+    each linear weight's autocast copy (0 without autocast).
 
     fp32 (measured with `saved_tensor_bytes`, exact): each RMSNorm saves its input x, x rsqrt(.)
-    and its output (3 h); SDPA saves q and k after RoPE, v and its output (4 h; that output is
-    already laid out as o_proj's input, so it is one storage): 10 h x 4 B; the MLP saves the gate,
-    its SiLU, up and their product (4 i x 4 B). bf16-pure: a norm keeps x in fp32 (4 B), x rsqrt(.)
-    cast back (2 B) and its output (2 B): 2 x 8 + 4 x 2 = 24. bf16-mixed: the residual stream stays
-    fp32; a norm saves x and x rsqrt(.) (8 B) while each linear saves its own bf16 cast of its
-    input (q, k, v: three of the first norm's output, gate and up: two of the second's): 8 + 6 +
-    8 + 8 + 4 = 34, the final norm 8 + the head's cast 2, and autocast keeps a bf16 copy of every
+    and its output (2 x 3 h x 4 B); SDPA saves q and k after RoPE, v and its output (that output is
+    already laid out as o_proj's input, one storage), 4 B each; the MLP saves the gate, its SiLU,
+    up and their product (4 i x 4 B); a per-head q/k norm saves its input and x rsqrt(.) (8 B; its
+    output goes into RoPE, which saves only the tables). bf16-pure: a norm keeps x in fp32 (4 B),
+    x rsqrt(.) cast back (2 B) and its output (2 B): 2 x 8; q/k norms 4 + 2. bf16-mixed: the
+    residual stream stays fp32; a norm saves x and x rsqrt(.) (8 B) while each linear saves its own
+    bf16 cast of its input (q, k, v: three of the first norm's output, gate and up: two of the
+    second's): 16 + 10, the final norm 8 + the head's cast 2, and autocast keeps a bf16 copy of every
     linear weight until backward. Every precision adds per block two fp32 rsqrt per token and
-    SDPA's fp32 logsumexp per head.
+    SDPA's fp32 logsumexp per head, and with q/k norms one fp32 rsqrt per head of q and of k.
+    Biases (Qwen2's q/k/v) save nothing; grouped-query attention's k and v are saved at the KV
+    width (SDPA's own GQA, no repeated copies).
     """
 
-    block_h: int
+    norm_h: int
+    cast_h: int
+    attn: int
     mlp_i: int
+    qk_norm: int
     final_norm_h: int
     residual: int
     weight_cast: int
 
+    def block(self, shape: ModelShape) -> int:
+        """A full block's saved bytes per token (its linears' weight copies apart)."""
+        s = shape
+        qk = (self.qk_norm * (s.q_width + s.kv_width) + 4 * (s.heads + s.kv)) if s.qk_norm else 0
+        attention = self.attn * 2 * (s.q_width + s.kv_width)
+        return (
+            (self.norm_h + self.cast_h) * s.hidden
+            + attention
+            + self.mlp_i * s.intermediate
+            + 8
+            + 4 * s.heads
+            + qk
+        )
+
 
 SAVED_BYTES: dict[str, SavedBytes] = {
-    "fp32": SavedBytes(40, 16, 12, 4, 0),
-    "bf16-mixed": SavedBytes(34, 8, 10, 4, 2),
-    "bf16-pure": SavedBytes(24, 8, 8, 2, 0),
+    "fp32": SavedBytes(24, 0, 4, 16, 8, 12, 4, 0),
+    "bf16-mixed": SavedBytes(16, 10, 2, 8, 6, 10, 4, 2),
+    "bf16-pure": SavedBytes(16, 0, 2, 8, 6, 8, 2, 0),
 }
 
 
@@ -101,7 +124,7 @@ class Activations:
 
 
 def activation_terms(
-    preset: str,
+    preset: str | ModelShape,
     vocab_size: int | None,
     batch_size: int,
     seq_len: int,
@@ -116,29 +139,20 @@ def activation_terms(
 ) -> Activations:
     """The saved activations of one micro-batch of N = `batch_size` x `seq_len` tokens.
 
-    A full block saves ``N (block_h h + mlp_i i) + N (8 + 4 heads) + rank_inputs N r e`` bytes
-    (`SavedBytes`; `rank_inputs`: the N x r tensors the factorized layers of a block save, at the
+    A full block saves ``N SavedBytes.block(shape) + rank_inputs N r e`` bytes (`rank_inputs`: the N x r tensors the factorized layers of a block save, at the
     activation itemsize e: `FactorSpec.rank_saves` per layer); a checkpointed block (in `checkpointed`) keeps only its input
     (``N h`` at the residual itemsize). The base: token ids (8 N), the RoPE cos/sin tables
-    (2 T d at the residual itemsize, saved once unless every block is checkpointed), the final
+    (2 T head_dim at the residual itemsize, saved once unless every block is checkpointed), the final
     norm (``final_norm_h N h + 4 N``) and, under autocast, the bf16 copy of the head's weight;
     under autocast a full block also saves the bf16 copies of its linear weights (a checkpointed
     block casts them again in its recompute). `linear_weights`: (elements of one block's linear
     weights, of the head's). The loss's part is `loss_bytes`.
     """
-    p, sb, e = PRESETS[preset], SAVED_BYTES[dtype], precision(dtype).activations.itemsize
+    p, sb, e = resolve_shape(preset), SAVED_BYTES[dtype], precision(dtype).activations.itemsize
     V, N = vocab_size or p.vocab, batch_size * seq_len
-    full = (
-        N * (sb.block_h * p.hidden + sb.mlp_i * p.intermediate + 8 + 4 * p.heads)
-        + rank_inputs * N * rank * e
-        + sb.weight_cast * linear_weights[0]
-    )
+    full = N * sb.block(p) + rank_inputs * N * rank * e + sb.weight_cast * linear_weights[0]
     blocks = tuple(N * p.hidden * sb.residual if i in checkpointed else full for i in range(p.layers))
-    rope = (
-        0
-        if all(i in checkpointed for i in range(p.layers))
-        else 2 * seq_len * (p.hidden // p.heads) * sb.residual
-    )
+    rope = 0 if all(i in checkpointed for i in range(p.layers)) else 2 * seq_len * p.dim * sb.residual
     base = 8 * N + rope + N * (sb.final_norm_h * p.hidden + 4) + sb.weight_cast * linear_weights[1]
     lb = loss_bytes(loss, N, V, p.hidden, precision(dtype).activations, loss_chunk_tokens)
     if loss == "chunked":
@@ -159,7 +173,7 @@ def checkpointed_layers(spec: int | Collection[int], layers: int) -> frozenset[i
 
 
 def activation_bytes(
-    preset: str,
+    preset: str | ModelShape,
     vocab_size: int | None,
     batch_size: int,
     seq_len: int,
@@ -168,7 +182,7 @@ def activation_bytes(
 ) -> int:
     """Saved activations of one micro-batch of a dense model with the standard loss
     (`activation_terms`)."""
-    ck = checkpointed_layers(activation_checkpointing, PRESETS[preset].layers)
+    ck = checkpointed_layers(activation_checkpointing, resolve_shape(preset).layers)
     return activation_terms(preset, vocab_size, batch_size, seq_len, ck, dtype).total
 
 

@@ -29,7 +29,7 @@ from effpretrain.memory.terms import (
     precision,
 )
 from effpretrain.models.factorized import factor_spec
-from effpretrain.models.llama import PRESETS
+from effpretrain.models.llama import ModelShape, model_shape, resolve_shape
 from effpretrain.optim_setup import head_group, projection_group
 
 
@@ -209,21 +209,22 @@ class EstimateOptions:
     grad_clip: float = 0.0
 
 
-def estimate(preset: str, method: str = "adamw", **options: Any) -> Estimate:
-    """Analytic memory of training `preset` with optimizer `method` (see module docstring), with
+def estimate(preset: str | ModelShape, method: str = "adamw", **options: Any) -> Estimate:
+    """Analytic memory of training `preset` (a preset's name or any `ModelShape`) with optimizer
+    `method` (see module docstring), with
     the run's shape and settings as `EstimateOptions` keywords. The peak is the largest moment of
     `peak_moments` (`in_backward_moments` with updates in backward); ``detail`` says where it is
     reached, of what, and with updates in backward the gradient figures of both paths
     (`_in_backward_detail`)."""
     o = EstimateOptions(**options)
     prec = precision(o.dtype)
-    p = PRESETS[preset]
-    shapes = model_param_shapes(preset, o.vocab_size)
+    p = resolve_shape(preset)
+    shapes = model_param_shapes(p, o.vocab_size)
     factor = factor_spec(o.factor_kind) if o.factor_kind != "none" else None
     targets = list(o.factor_targets or ATTN_MLP_TARGETS)
-    t = _param_tally(preset, method, o, prec, shapes, factor, targets)
+    t = _param_tally(p, method, o, prec, shapes, factor, targets)
     ck = checkpointed_layers(o.activation_checkpointing, p.layers)
-    acts = _activation_terms(preset, o, ck, shapes, factor, targets)
+    acts = _activation_terms(p, o, ck, shapes, factor, targets)
     t.block_temporaries = (
         2 * o.batch_size * o.seq_len * (p.hidden + p.intermediate) * prec.activations.itemsize
     )
@@ -238,7 +239,7 @@ def estimate(preset: str, method: str = "adamw", **options: Any) -> Estimate:
         moments = in_backward_moments(t, acts, ck, o.grad_accum, dist, o.data, ib)
     peak, moment, terms = _peak(moments)
     detail = {
-        "preset": preset,
+        "preset": preset if isinstance(preset, str) else p.label,
         "method": method,
         "dtype": o.dtype,
         "factor": o.factor_kind,
@@ -258,7 +259,7 @@ def estimate(preset: str, method: str = "adamw", **options: Any) -> Estimate:
 
 
 def _param_tally(
-    preset: str, method: str, o: EstimateOptions, prec: Any, shapes: Any, factor: Any, targets: list[str]
+    p: ModelShape, method: str, o: EstimateOptions, prec: Any, shapes: Any, factor: Any, targets: list[str]
 ) -> _Tally:
     """Weights, gradients and optimizer state per parameter, sharded as the run shards them."""
     optim_cfg = o.optim_cfg or OptimConfig(name=method)
@@ -266,7 +267,6 @@ def _param_tally(
     shard = o.world_size if o.sharding == "fsdp2" else 1
     t = _Tally(mspec, prec.params, shard, whole_state=shard > 1 and mspec.fsdp2_whole_state)
     t.low_rank_acc = shard == 1 and o.grad_clip <= 0
-    p = PRESETS[preset]
     _tally_params(
         t,
         shapes,
@@ -278,19 +278,22 @@ def _param_tally(
         o.density,
         o.warm_start,
         o.restarts,
-        head_group(method, p.hidden // p.heads),
+        head_group(method, p.dim),
     )
     t.finish()
     return t
 
 
 def _activation_terms(
-    preset: str, o: EstimateOptions, ck: frozenset[int], shapes: Any, factor: Any, targets: list[str]
+    p: ModelShape, o: EstimateOptions, ck: frozenset[int], shapes: Any, factor: Any, targets: list[str]
 ) -> Activations:
     """What one micro-batch saves for backward, the loss's included."""
     rank_saves = 0 if factor is None or (o.warm_start and factor.warm_starts) else factor.rank_saves
+    block, head = _linear_elements(shapes, factor, targets, o.factor_rank, o.density)
+    if p.tied:  # the head is the embedding's matrix, listed once, as the embedding
+        head = (o.vocab_size or p.vocab) * p.hidden
     return activation_terms(
-        preset,
+        p,
         o.vocab_size,
         o.batch_size,
         o.seq_len,
@@ -298,7 +301,7 @@ def _activation_terms(
         o.dtype,
         rank_inputs=len(set(targets) & set(ATTN_MLP_TARGETS)) * rank_saves,
         rank=o.factor_rank,
-        linear_weights=_linear_elements(shapes, factor, targets, o.factor_rank, o.density),
+        linear_weights=(block, head),
         loss=o.loss,
         loss_chunk_tokens=o.loss_chunk_tokens,
     )
@@ -358,7 +361,7 @@ def plan_checkpointing(
     budget = cfg.train.memory_budget_gb
     if budget is None:
         raise ConfigError("train.activation_checkpointing=auto needs train.memory_budget_gb")
-    layers = PRESETS[cfg.model.preset].layers
+    layers = model_shape(cfg.model).layers
     for k in range(layers + 1):
         est = estimate_from_config(cfg, vocab_size, world_size, sharding, checkpointed=range(k))
         if est.peak <= budget * 1e9:
@@ -374,7 +377,7 @@ def _estimate_config(
     cfg: Any, vocab_size: int, world_size: int, sharding: str, checkpointed: Any, warm_start: bool
 ) -> Estimate:
     return estimate(
-        cfg.model.preset,
+        model_shape(cfg.model) if cfg.model.config else cfg.model.preset,
         cfg.optim.name,
         dtype=cfg.train.precision,
         vocab_size=vocab_size,

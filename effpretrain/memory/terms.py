@@ -13,7 +13,7 @@ import torch
 import optimizers
 from effpretrain.memory.in_backward_terms import lowrank_accumulator_bytes
 from effpretrain.models.factorized import FactorSpec
-from effpretrain.models.llama import build_llama_config
+from effpretrain.models.llama import ModelShape, build_llama_config, model_class
 from effpretrain.optim_setup import HEAD_TARGETS
 
 
@@ -59,16 +59,16 @@ class ParamShape:
 
 
 @functools.lru_cache(maxsize=32)
-def model_param_shapes(preset: str, vocab_size: int | None = None) -> tuple[ParamShape, ...]:
-    """The parameters of a preset's LlamaForCausalLM, in its named_parameters order.
+def model_param_shapes(preset: str | ModelShape, vocab_size: int | None = None) -> tuple[ParamShape, ...]:
+    """The parameters of a preset's (or shape's) model, in its named_parameters order: a tied
+    head is the embedding's matrix and is listed once, as the embedding.
 
     The model is built on the meta device: shapes without storage or initialisation (llama_1b
     builds in a few hundredths of a second, after transformers is imported).
     """
-    from transformers import LlamaForCausalLM
-
+    cfg = build_llama_config(preset, vocab_size)
     with torch.device("meta"):
-        model = LlamaForCausalLM(build_llama_config(preset, vocab_size))
+        model = model_class(cfg)(cfg)
     out = []
     for name, p in model.named_parameters():
         mod_name, _, pname = name.rpartition(".")
@@ -275,6 +275,8 @@ def _tally_params(
             group = t.method.matrix_group(role)
         else:
             group = heads if s.linear in HEAD_TARGETS else None
+            if heads and s.name.endswith(".bias"):  # a linear layer's bias (the trainer's groups)
+                group = t.method.bias_group()
         t.trainable_tensor(s.shape, group)
         t.params += math.prod(s.shape)
         t.trainable += math.prod(s.shape)

@@ -143,3 +143,45 @@ def test_state_dict_is_weights_only_loadable() -> None:
     st = roundtrip(opt.state_dict())["state"][0]
     assert set(st) == {"step", "exp_avg", "exp_avg_sq"} and type(st["step"]) is int
     assert st["exp_avg_sq"].shape == (HEADS,)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_the_trainers_groups_match_the_package_on_a_tied_qwen2_with_biases(weight_decay: float) -> None:
+    """On a model with q/k/v biases and tied embeddings (Qwen2), the trainer's param groups
+    (`build_param_groups`: heads for q and k, plain Adam for every bias, the tied matrix once)
+    step as the reference package does with the model's named parameters."""
+    adam_mini = pytest.importorskip("adam_mini")
+    from effpretrain.config import RunConfig
+    from effpretrain.models.llama import ModelShape, build_model
+    from effpretrain.optim_setup import build_param_groups
+
+    shape = ModelShape(
+        hidden=DIM, intermediate=FFN, heads=HEADS, layers=1, vocab=VOCAB, kv_heads=KV_HEADS,
+        tied=True, qkv_bias=True, architecture="Qwen2ForCausalLM",
+    )  # fmt: skip
+    ours, ref = build_model(shape, seed=0), build_model(shape, seed=0)
+    cfg = RunConfig()
+    cfg.optim.name, cfg.optim.weight_decay = "adam_mini", weight_decay
+    kw = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": weight_decay}
+    opt = AdamMini(build_param_groups(ours, cfg), **kw)
+    with contextlib.redirect_stdout(io.StringIO()):
+        ref_opt = adam_mini.Adam_mini(
+            list(ref.named_parameters()), **kw, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, verbose=False
+        )
+    named = dict(ours.named_parameters())
+    ref_named = dict(ref.named_parameters())
+    assert "lm_head.weight" not in named  # tied: one parameter
+    start = {n: p.detach().clone() for n, p in ref_named.items()}
+    for t in range(8):
+        for (n, p), g in zip(named.items(), make_grads([p.shape for p in named.values()], t)):
+            p.grad, ref_named[n].grad = g.clone(), g.clone()
+        opt.step()
+        with contextlib.redirect_stdout(io.StringIO()):
+            ref_opt.step()
+        for n, p in named.items():
+            moved = float((ref_named[n].detach() - start[n]).abs().max())
+            assert float((p.detach() - ref_named[n].detach()).abs().max()) <= 1e-6 * moved, (t, n)
+    v = {n: opt.state[p]["exp_avg_sq"].numel() for n, p in named.items()}
+    assert v["model.layers.0.self_attn.q_proj.bias"] == DIM  # a bias: one per entry (Adam)
+    assert v["model.layers.0.self_attn.k_proj.bias"] == KV_HEADS * HEAD
+    assert v["model.layers.0.self_attn.q_proj.weight"] == HEADS

@@ -1,0 +1,213 @@
+"""Models of the LLaMA family from an HF config (`model.config`): a LLaMA with grouped-query
+attention, a Mistral, a Qwen2 with tied embeddings and q/k/v biases, a Qwen3 with q/k norms and a
+head size of its own. Each trains with one method of every family; validation perplexity falls,
+weights, gradients and optimizer state equal the estimate exactly, a split run equals the straight
+one bitwise; 2-process DDP and FSDP2 equal one process on the tied Qwen2; the presets above 1B have
+the parameter counts of the models they name; bad configs are refused in one line."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from _common import TINY, TINY_OVERRIDES
+from distributed_helpers import COMMON, final, rel_diff, run_worker_pair
+
+from effpretrain import flops, memory
+from effpretrain.checkpoint import read_model_state
+from effpretrain.config import load_config
+from effpretrain.errors import ConfigError
+from effpretrain.models.llama import PRESETS, ModelShape, build_llama_config, build_model, shape_of
+from effpretrain.trainer import train
+
+VOCAB = 512  # the tiny runs' builtin BPE (TINY_OVERRIDES)
+SMALL = {"hidden": 64, "intermediate": 160, "heads": 4, "layers": 2, "kv_heads": 2}
+#: One small config per supported family.
+FAMILIES = {
+    "llama_gqa": ModelShape(**SMALL),
+    "mistral": ModelShape(**SMALL, architecture="MistralForCausalLM"),
+    "qwen2_tied": ModelShape(**SMALL, tied=True, qkv_bias=True, architecture="Qwen2ForCausalLM"),
+    "qwen3": ModelShape(**SMALL, head_dim=32, tied=True, architecture="Qwen3ForCausalLM"),
+}
+#: One method per family of methods: full-rank, projected, projected 8-bit-free APOLLO,
+#: whole-matrix, block-wise, factorized with restarts, sparse plus low-rank.
+METHODS = ["adamw", "galore", "apollo_mini", "muon", "adam_mini", "lowrank_restarts", "sltrain"]
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("configs")
+    for name, shape in FAMILIES.items():
+        shape.hf_config(VOCAB, 128).save_pretrained(root / name)
+    return {name: root / name for name in FAMILIES}
+
+
+def overrides(config: Path, *extra: str) -> list[str]:
+    return [*TINY_OVERRIDES, f"model.config={config}", "train.max_steps=20", "train.eval_every=10", *extra]
+
+
+def evals(run: Path) -> list[float]:
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [e["val_ppl"] for e in events if e.get("event") == "eval"]
+
+
+@pytest.mark.run
+@pytest.mark.parametrize(
+    "family, method",
+    [
+        pytest.param(f, m, marks=[pytest.mark.fast] if (f, m) == ("qwen2_tied", "adam_mini") else [])
+        for f in FAMILIES
+        for m in METHODS
+    ],
+)
+def test_family_trains_matches_the_estimate_and_resumes_exactly(configs, tmp_path, family, method):
+    over = overrides(configs[family], "train.save_every=10")
+    cfg = load_config(TINY / f"{method}.yaml", over)
+    straight = train(cfg, tmp_path / "straight")
+    assert straight["model"] == family and straight["vocab_size"] == VOCAB
+    ppl = evals(tmp_path / "straight")
+    assert len(ppl) == 2 and ppl[1] < ppl[0] < VOCAB, ppl  # perplexity falls from near-uniform
+    est = straight["estimated"]
+    assert straight["weight_bytes"] == est["weights"]  # a tied matrix counted once on both sides
+    assert straight["grad_bytes"] == est["grads"]
+    assert straight["optimizer_state_bytes"] == est["optimizer_state"]
+    assert straight["params"] == est["params"]
+    resumed = train(
+        load_config(TINY / f"{method}.yaml", over),
+        tmp_path / "resumed",
+        resume=str(tmp_path / "straight" / "checkpoints" / "step-10"),
+    )
+    a = read_model_state(tmp_path / "straight" / "checkpoints" / "step-20")
+    b = read_model_state(tmp_path / "resumed" / "checkpoints" / "step-20")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed["final_val_loss"] == straight["final_val_loss"]
+
+
+WORKER = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+    from effpretrain.config import load_config
+    from effpretrain.trainer import train
+
+    root, out, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    methods, common = json.loads(sys.argv[4]), sys.argv[5:]
+    for m in methods:
+        recipe = root / "recipes" / "tiny" / f"{m}.yaml"
+        if mode == "one":  # the ranks' micro-batches, one after the other
+            train(load_config(recipe, common + ["train.batch_size=2", "train.grad_accum=2"]), out / f"{m}-1p")
+            continue
+        for sharding in ("ddp", "fsdp2"):
+            over = common + ["train.batch_size=2", f"dist.sharding={sharding}", "train.save_every=10"]
+            train(load_config(recipe, over), out / f"{m}-{sharding}")
+        step10 = out / f"{m}-fsdp2" / "checkpoints" / "step-10"  # resumed from a sharded checkpoint
+        train(load_config(recipe, over), out / f"{m}-fsdp2-resumed", resume=str(step10))
+    """
+)
+PARITY_METHODS = ["adamw", "galore"]
+
+
+@pytest.mark.multiprocess
+def test_tied_qwen2_two_processes_equal_one(configs, tmp_path):
+    """DDP and FSDP2 (2 processes) on a model whose head is its embedding: one parameter, one
+    optimizer state, the same weights as one process at the same global batch; the sharded
+    checkpoint stores the matrix once and resumes exactly."""
+    common = [*COMMON, f"model.config={configs['qwen2_tied']}"]
+    run_worker_pair(WORKER, tmp_path, [json.dumps(PARITY_METHODS), *common])
+    for m in PARITY_METHODS:
+        one = json.loads((tmp_path / f"{m}-1p" / "summary.json").read_text())
+        for sharding in ("ddp", "fsdp2"):
+            run = tmp_path / f"{m}-{sharding}"
+            two = json.loads((run / "summary.json").read_text())
+            assert abs(two["final_val_loss"] - one["final_val_loss"]) <= 1e-5 * one["final_val_loss"], (
+                m,
+                sharding,
+            )
+            assert rel_diff(final(run), final(tmp_path / f"{m}-1p")) <= 1e-5, (m, sharding)
+            assert "lm_head.weight" not in final(run)  # stored once, under the embedding's key
+            assert two["estimate_matches_measured"]["optimizer_state"], (m, sharding)
+            assert two["weight_bytes"] == two["estimated"]["weights"], (m, sharding)
+        resumed, straight = final(tmp_path / f"{m}-fsdp2-resumed"), final(tmp_path / f"{m}-fsdp2")
+        assert (
+            all(torch.equal(resumed[k], straight[k]) for k in straight) and resumed.keys() == straight.keys()
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Presets and shapes
+
+
+@pytest.mark.parametrize(
+    "preset, params",
+    [
+        ("llama_7b", 6_738_415_616),  # Llama-2-7b
+        ("llama3_8b", 8_030_261_248),  # Meta-Llama-3-8B
+        ("qwen2.5_0.5b", 494_032_768),  # Qwen2.5-0.5B (tied)
+    ],
+)
+def test_large_presets_have_the_parameter_counts_of_their_models(preset, params):
+    config = build_llama_config(preset)
+    with torch.device("meta"):
+        model = build_model(config)
+    assert sum(p.numel() for p in model.parameters()) == params
+    assert memory.estimate(preset, "adamw").params == params
+    assert shape_of(config) == PRESETS[preset]  # the shape round-trips through its HF config
+
+
+def test_shape_of_reads_each_family(configs):
+    from effpretrain.models.llama import load_hf_config
+
+    for name, shape in FAMILIES.items():
+        assert shape_of(load_hf_config(str(configs[name]))) == ModelShape(
+            **{**shape.__dict__, "vocab": VOCAB}
+        )
+        assert shape_of(load_hf_config(str(configs[name] / "config.json"))).architecture == shape.architecture
+
+
+def test_flops_count_kv_at_their_width_and_a_tied_head_once():
+    """FLOPs/token (forward + backward: 3 x the forward's 2 per multiply-add) of a shape with
+    grouped-query attention and a tied head, against a count by hand."""
+    s = ModelShape(hidden=64, intermediate=160, heads=4, layers=2, vocab=512, kv_heads=2, tied=True)
+    seq = 32
+    q, kv = 4 * 16, 2 * 16
+    linear = 64 * q + 2 * 64 * kv + q * 64 + 3 * 64 * 160  # q, k, v, o, gate/up/down per layer
+    attention = 2 * seq * q  # multiply-adds per token per layer: scores (q.k) and values
+    per_token = 6 * (2 * linear + 512 * 64) + 6 * 2 * attention  # 2 layers; the tied head once
+    assert flops.flops_per_token(s, 512, seq) == per_token
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad configs
+
+
+@pytest.mark.run
+def test_bad_configs_are_refused_in_one_line(configs, tmp_path):
+    gpt2 = tmp_path / "gpt2"
+    import transformers
+
+    transformers.GPT2Config(vocab_size=VOCAB, n_layer=1, n_embd=32, n_head=2).save_pretrained(gpt2)
+    cases = {
+        str(
+            gpt2
+        ): "model.config: model_type 'gpt2' is not supported; supported: LlamaForCausalLM, MistralForCausalLM",
+        str(tmp_path / "missing"): "no such file or folder",
+        str(tmp_path): "no config.json in this folder",
+    }
+    for source, needle in cases.items():
+        with pytest.raises(ConfigError, match=needle):
+            train(load_config(TINY / "adamw.yaml", overrides(Path(source))), tmp_path / "run")
+    other_vocab = tmp_path / "other_vocab"
+    FAMILIES["mistral"].hf_config(1000, 128).save_pretrained(other_vocab)
+    with pytest.raises(ConfigError, match="vocab_size=1000 but the tokenizer has 512 tokens"):
+        train(load_config(TINY / "adamw.yaml", overrides(other_vocab)), tmp_path / "run")
+    with pytest.raises(
+        ConfigError, match="data.seq_len=256 exceeds model.config's max_position_embeddings=128"
+    ):
+        train(
+            load_config(TINY / "adamw.yaml", overrides(configs["qwen3"], "data.seq_len=256")),
+            tmp_path / "run",
+        )
+    assert not (tmp_path / "run" / "checkpoints").exists()
