@@ -1,5 +1,5 @@
 """Shared by the benchmark scripts: progress lines, where a result came from, result files, and
-timing. Every script writes its figures with `write_result`, which puts `provenance` (commit,
+timing, and cases run under a wall-clock budget (`run_cases`). Every script writes its figures with `write_result`, which puts `provenance` (commit,
 machine, device, torch and CUDA versions, UTC date) beside them, so no number lands without the
 commit and machine it came from."""
 
@@ -10,6 +10,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import torch
 
 from effpretrain.reporting import cpu_description, device_name, git_commit
 
-__all__ = ["log", "provenance", "seconds", "write_result"]
+__all__ = ["Budget", "Skipped", "log", "needs_package", "provenance", "run_cases", "seconds", "write_result"]
 
 
 def log(msg: str) -> None:
@@ -64,3 +65,57 @@ def seconds(
         sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------------------------
+# Cases under a wall-clock budget
+
+
+class Skipped(Exception):
+    """A case or section that cannot run here (a missing package): reported, not a failure."""
+
+
+class Budget:
+    """Wall-clock budget of the whole check: a case starts only with enough time left."""
+
+    def __init__(self, seconds: float):
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def allows(self, cost_s: float) -> bool:
+        return self.left() >= cost_s
+
+
+def needs_package(err: ImportError) -> Skipped:
+    """The skip of a case whose package is missing, naming it (our own ImportErrors name it)."""
+    if err.name:
+        return Skipped(f"needs {err.name} (not installed)")
+    return Skipped(str(err).splitlines()[0])
+
+
+def run_cases(
+    cases: list[tuple[str, float, Callable[[], dict[str, Any]]]], budget: Budget
+) -> list[dict[str, Any]]:
+    """Runs (label, expected seconds, case) in order: each gives a row, or a row saying it was
+    skipped (with why), not reached (the budget), or failed (the error's last line)."""
+    rows = []
+    for label, cost, case in cases:
+        if not budget.allows(cost):
+            rows.append({"case": label, "status": "not reached", "note": f"{budget.left():.0f} s left"})
+            continue
+        log(f"  {label}")
+        t0 = time.monotonic()
+        try:
+            row = {"case": label, "status": "ok", **case()}
+        except Skipped as e:
+            row = {"case": label, "status": "skipped", "note": str(e)}
+        except ImportError as e:
+            row = {"case": label, "status": "skipped", "note": str(needs_package(e))}
+        except Exception as e:  # a failure is reported and the check goes on
+            traceback.print_exc(file=sys.stderr)
+            row = {"case": label, "status": "failed", "note": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+        row["seconds"] = round(time.monotonic() - t0, 1)
+        rows.append(row)
+    return rows

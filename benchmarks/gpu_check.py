@@ -1,7 +1,7 @@
 """One command that proves effpretrain on a GPU: CUDA numerics, memory by category at 1B, speed
 (eager and compiled, MFU), and the HF Trainer's own GaLore side by side.
 
-    python benchmarks/gpu_check.py [--out DIR] [--budget-s 420] [--sections numerics,memory,speed,hf]
+    python benchmarks/gpu_check.py [--out DIR] [--budget-s 420] [--sections numerics,memory,step_7b,speed,hf]
     python benchmarks/gpu_check.py --smoke    # every section's code at tiny scale on the CPU
 
 Sections (each writes ``DIR/<section>.json`` and ``DIR/<section>.md``, headed by the commit, the
@@ -17,6 +17,9 @@ device's name, and the torch and CUDA versions; ``DIR/summary.md`` joins them):
   updates in backward and activation checkpointing: measured by category (the allocator on CUDA,
   `effpretrain.memory.measure.measure_run`, two steps) against the estimator. Weights, gradients and state
   must be equal, the peak within 5% (flagged otherwise).
+- ``step_7b``: GaLore's 24 GB claim: 3 steps of llama_7b with galore_8bit (rank 1024), updates in
+  backward, no clipping, batch 1 x 256 tokens, bf16-pure; measured by category against the
+  estimate, as ``memory`` (skipped where bitsandbytes is missing).
 - ``speed``: tokens/s and MFU at the same shape for adamw, galore, apollo_mini, muon and lowrank,
   eager and compiled (`train.compile`): the median of timed steps after warm-up steps, the
   compile time apart, the optimizer step's share of a step, and a refresh's time amortised over
@@ -56,8 +59,7 @@ import math
 import statistics
 import sys
 import time
-import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,7 +69,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import gpu_report  # noqa: E402
-from _bench import log, provenance  # noqa: E402
+from _bench import Budget, Skipped, log, needs_package, provenance, run_cases  # noqa: E402
 
 from effpretrain import flops  # noqa: E402
 from effpretrain.config import load_config  # noqa: E402
@@ -115,6 +117,8 @@ class Scale:
     hf_batch: int
     hf_steps: int
     hf_vocab: int
+    big_preset: str  # the 7B step's model and GaLore rank
+    big_rank: int
 
 
 FULL = Scale(
@@ -133,6 +137,8 @@ FULL = Scale(
     hf_batch=32,
     hf_steps=12,
     hf_vocab=8192,
+    big_preset="llama_7b",
+    big_rank=1024,
 )
 SMOKE = dataclasses.replace(
     FULL,
@@ -150,24 +156,9 @@ SMOKE = dataclasses.replace(
     hf_batch=2,
     hf_steps=4,
     hf_vocab=512,
+    big_preset="tiny",
+    big_rank=8,
 )
-
-
-class Skipped(Exception):
-    """A case or section that cannot run here (a missing package): reported, not a failure."""
-
-
-class Budget:
-    """Wall-clock budget of the whole check: a case starts only with enough time left."""
-
-    def __init__(self, seconds: float):
-        self.end = time.monotonic() + seconds
-
-    def left(self) -> float:
-        return self.end - time.monotonic()
-
-    def allows(self, cost_s: float) -> bool:
-        return self.left() >= cost_s
 
 
 def sync(device: str) -> None:
@@ -179,39 +170,6 @@ def free(device: str) -> None:
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
-
-
-def needs_package(err: ImportError) -> Skipped:
-    """The skip of a case whose package is missing, naming it (our own ImportErrors name it)."""
-    if err.name:
-        return Skipped(f"needs {err.name} (not installed)")
-    return Skipped(str(err).splitlines()[0])
-
-
-def run_cases(
-    cases: list[tuple[str, float, Callable[[], dict[str, Any]]]], budget: Budget
-) -> list[dict[str, Any]]:
-    """Runs (label, expected seconds, case) in order: each gives a row, or a row saying it was
-    skipped (with why), not reached (the budget), or failed (the error's last line)."""
-    rows = []
-    for label, cost, case in cases:
-        if not budget.allows(cost):
-            rows.append({"case": label, "status": "not reached", "note": f"{budget.left():.0f} s left"})
-            continue
-        log(f"  {label}")
-        t0 = time.monotonic()
-        try:
-            row = {"case": label, "status": "ok", **case()}
-        except Skipped as e:
-            row = {"case": label, "status": "skipped", "note": str(e)}
-        except ImportError as e:
-            row = {"case": label, "status": "skipped", "note": str(needs_package(e))}
-        except Exception as e:  # a failure is reported and the check goes on
-            traceback.print_exc(file=sys.stderr)
-            row = {"case": label, "status": "failed", "note": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
-        row["seconds"] = round(time.monotonic() - t0, 1)
-        rows.append(row)
-    return rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -308,14 +266,16 @@ def fitting_batch(scale: Scale, methods: tuple[str, ...]) -> int:
     return scale.batches[-1]
 
 
-def memory_case(method: str, scale: Scale, batch: int, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+def memory_case(
+    method: str, scale: Scale, batch: int, extra: tuple[str, ...] = (), steps: int = 2
+) -> dict[str, Any]:
     from effpretrain.memory import estimate_from_config
     from effpretrain.memory.measure import measure_run
 
     cfg = paper_config(method, scale, batch, extra)
     est = estimate_from_config(cfg, scale.vocab)
     try:
-        steps = measure_run(cfg, scale.vocab, steps=2, device=scale.device)
+        steps = measure_run(cfg, scale.vocab, steps=steps, device=scale.device)
     finally:
         free(scale.device)
     measured = {c: max(int(s[c]) for s in steps) for c in (*EXACT, "activations", "peak")}
@@ -351,6 +311,19 @@ def section_memory(scale: Scale, budget: Budget) -> list[dict[str, Any]]:
         )
     )
     return run_cases(cases, budget)
+
+
+def section_step_7b(scale: Scale, budget: Budget) -> list[dict[str, Any]]:
+    """GaLore's headline step: llama_7b, 8-bit GaLore at rank 1024 updated in backward, no
+    clipping, 256 tokens (batch 1 x 256), pure bf16; 3 steps measured by category."""
+    extra = (
+        f"model.preset={scale.big_preset}",
+        f"optim.rank={scale.big_rank}",
+        "train.update_in_backward=true",
+        "train.grad_clip=0",
+    )
+    case = f"galore_8bit {scale.big_preset} r{scale.big_rank} in backward"
+    return run_cases([(case, 120.0, lambda: memory_case("galore_8bit", scale, 1, extra, steps=3))], budget)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -623,6 +596,8 @@ def run_section(section: str, scale: Scale, budget: Budget, scratch: Path) -> li
             return section_numerics(scale, budget)
         if section == "memory":
             return section_memory(scale, budget)
+        if section == "step_7b":
+            return section_step_7b(scale, budget)
         if section == "speed":
             rows = section_speed(scale, budget)
             return rows + [{"case": f"ratios {r['method']}", "status": "ok", **r} for r in speed_ratios(rows)]

@@ -47,6 +47,9 @@ def test_smoke_runs_every_section_on_cpu_within_90_seconds(tmp_path):
         "galore_8bit+in_backward+checkpointing",
     }
     assert all(r["measured"]["weights"] == r["estimated"]["weights"] for r in rows["memory"])
+    (step,) = rows["step_7b"]  # at tiny scale in the smoke: the same code as the 7B step
+    assert step["case"] == "galore_8bit tiny r8 in backward"
+    assert all(step["measured"][c] == step["estimated"][c] for c in gc.EXACT), step
     timed = [r for r in rows["speed"] if not r["case"].startswith("ratios")]
     assert len(timed) == 2 * len(gc.SPEED_METHODS) and all(r["tokens_per_s"] > 0 for r in timed)
     assert all(r["mfu"] is None for r in timed)  # no peak for a CPU: never a guess
