@@ -1,7 +1,8 @@
-"""The generated pages of the docs (``docs/reference/``): every config key and every method, read
+"""The generated pages of the docs (``docs/reference/``): every config key, every method and every
+preset, read
 from the code that defines them, so the reference cannot drift from it.
 
-    python -m effpretrain.reference            # writes docs/reference/config.md and methods.md
+    python -m effpretrain.reference            # writes docs/reference/config.md, methods.md, models.md
     python -m effpretrain.reference --check    # exit 1 if a committed page differs
 
 ``make docs`` writes them before MkDocs builds the site; a test keeps the committed pages equal to
@@ -12,15 +13,18 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import optimizers
 from effpretrain.config import config_table
+from effpretrain.memory.terms import model_param_shapes
 from effpretrain.models.factorized import FACTOR_KINDS
+from effpretrain.models.llama import ARCHITECTURES, PRESETS
 
-__all__ = ["PAGES", "config_page", "methods_page", "write_pages"]
+__all__ = ["PAGES", "config_page", "methods_page", "models_page", "write_pages"]
 
 
 def config_page() -> str:
@@ -97,8 +101,37 @@ def methods_page() -> str:
     return head + body + "\n# Factorizations\n\n" + kinds
 
 
+def models_page() -> str:
+    """Every preset (`effpretrain.models.PRESETS`) with its shape and parameter count (counted on
+    the model built on the meta device), and the supported architectures."""
+    rows = [
+        "| preset | architecture | hidden | MLP | layers | heads | KV heads | head size | vocab | tied | q/k/v bias | parameters |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, s in PRESETS.items():
+        params = sum(math.prod(p.shape) for p in model_param_shapes(s))
+        cells = [name, s.architecture, s.hidden, s.intermediate, s.layers, s.heads, s.kv, s.dim, s.vocab]
+        cells += ["yes" if s.tied else "no", "yes" if s.qkv_bias else "no", f"{params:,}"]
+        rows.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return (
+        "# Models reference\n\n"
+        "Generated from `effpretrain.models.PRESETS`; parameter counts are those of the model built "
+        "(on the meta device) at the preset's vocabulary. A run with the built-in tokenizer uses "
+        "its vocabulary instead (`data.vocab_size`). `model.config` builds any model of these "
+        "architectures: "
+        + ", ".join(f"`{a}`" for a in ARCHITECTURES)
+        + ". See [Models](../models.md).\n\n"
+        + "\n".join(rows)
+        + "\n"
+    )
+
+
 #: The generated pages, by file name under docs/reference/.
-PAGES: dict[str, Callable[[], str]] = {"config.md": config_page, "methods.md": methods_page}
+PAGES: dict[str, Callable[[], str]] = {
+    "config.md": config_page,
+    "methods.md": methods_page,
+    "models.md": models_page,
+}
 
 
 def write_pages(folder: Path, check: bool = False) -> list[str]:
