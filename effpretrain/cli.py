@@ -108,6 +108,12 @@ def _add_estimate(sub) -> None:
         default=TrainConfig.grad_clip,
         help="as train.grad_clip (with --update-in-backward, 0 allows GaLore's low-rank accumulators)",
     )
+    e.add_argument(
+        "--in-backward-refresh",
+        default=TrainConfig.in_backward_refresh,
+        choices=["accumulated", "first_micro"],
+        help="as train.in_backward_refresh (first_micro: accumulators stay low rank at a refresh step)",
+    )
     e.add_argument("--loss", default=TrainConfig.loss, choices=list(get_args(LossKind)), help="as train.loss")
     e.add_argument("--world-size", type=int, default=1)
     e.add_argument("--sharding", default="none", choices=["none", "ddp", "fsdp2"])
@@ -246,6 +252,7 @@ def cmd_estimate(args) -> int:
         restarts=restarts,
         update_in_backward=args.update_in_backward,
         grad_clip=args.grad_clip,
+        in_backward_refresh=args.in_backward_refresh,
     )
     if factor != "none":
         est.detail["method"] = args.method

@@ -16,6 +16,9 @@ One optimizer step of K micro-batches (`InBackward.begin_micro` before each back
   the full sum of the G_k (embeddings, head, norms, factors of a factorized model, Fira's and
   APOLLO's matrices, every projected matrix at a refresh step: the bounded spike the estimator
   counts, and every matrix when clipping is on).
+  With ``refresh_ahead`` (``train.in_backward_refresh=first_micro``) a projected matrix whose
+  refresh is due takes its new basis from micro-batch 1's gradient, in that hook
+  (`ProjectedAdam.refresh_basis_ahead`), and keeps a low-rank accumulator at the refresh too.
 * micro-batch K: the final gradient is G = acc + G_K, or back(R) + G_K for a low-rank accumulator
   (the step projects it again: proj(back(R) + G_K) = R + proj(G_K) up to rounding, as
   P^T P = I); it is all-reduced when a reduction is given (DDP), clipped (below), its squared
@@ -147,8 +150,10 @@ class InBackward:
         optimizer: torch.optim.Optimizer,
         max_norm: float = 0.0,
         reduce: Callable[[torch.Tensor], None] | None = None,
+        refresh_ahead: bool = False,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
+        self.refresh_ahead = refresh_ahead
         self.opt = unwrap_optimizer(optimizer)
         self.max_norm = float(max_norm)
         self.reduce = reduce
@@ -232,6 +237,8 @@ class InBackward:
             # Low rank only without clipping: the clipping norm must be the whole gradient's.
             target = getattr(self.opt, "accumulation_basis", None) if self.max_norm <= 0 else None
             found = target(p, self._group[key]) if target is not None else None
+            if found is None and target is not None and self.refresh_ahead:
+                found = self.opt.refresh_basis_ahead(p, self._group[key], g)
             if found is None:
                 self._acc[key] = (g, None, "")  # autograd's fresh tensor becomes the accumulator
             else:
@@ -270,6 +277,15 @@ class InBackward:
             self.step_seconds += time.perf_counter() - t0
             for q in unit:
                 q.grad = None
+
+    @classmethod
+    def for_run(
+        cls, params: Iterable[torch.Tensor], optimizer: Any, train: Any, reduce: Any = None
+    ) -> InBackward:
+        """The engine a run's ``train`` section asks for: its clipping threshold and where a due
+        basis refresh takes its gradient (``train.in_backward_refresh``)."""
+        ahead = train.in_backward_refresh == "first_micro"
+        return cls(params, optimizer, max_norm=train.grad_clip, reduce=reduce, refresh_ahead=ahead)
 
     def state_dict(self) -> dict[str, Any]:
         """What exact resume needs: the previous step's norm (the next step's clipping)."""

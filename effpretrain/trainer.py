@@ -192,8 +192,8 @@ class Trainer:
             self.in_backward.remove()
         model = self.launch.unwrap(self.model)
         reduce = self.launch.in_backward_reduce(model)
-        self.in_backward = InBackward(
-            list(model.parameters()), self.inner_opt, max_norm=self.cfg.train.grad_clip, reduce=reduce
+        self.in_backward = InBackward.for_run(
+            list(model.parameters()), self.inner_opt, self.cfg.train, reduce
         )
         self.in_backward.prev_norm = prev
 

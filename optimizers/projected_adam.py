@@ -228,6 +228,7 @@ class ProjectedAdam(OwnerPlaced, torch.optim.Optimizer):
         self._projection_defaults = {**self.PROJECTION_DEFAULTS, **options}
         self.moments = self.MOMENTS(fused=fused)
         self.refresh_stats = proj.RefreshStats()
+        self._refreshed_ahead: dict[int, int] = {}  # id(p) -> the step whose basis is ready
         super().__init__(params, defaults)
 
     @property
@@ -345,6 +346,33 @@ class ProjectedAdam(OwnerPlaced, torch.optim.Optimizer):
         for key, dtype in self.EXTRA_STATE.items():
             state[key] = torch.zeros((), dtype=dtype or p.dtype, device=p.device)
 
+    def refresh_basis_ahead(
+        self, p: torch.Tensor, group: dict[str, Any], grad: torch.Tensor
+    ) -> tuple[torch.Tensor, str] | None:
+        """Refreshes `p`'s due basis now, from `grad` (the first micro-batch's gradient of an
+        accumulating step under updates in backward, ``train.in_backward_refresh=first_micro``), and
+        returns (P, side) to sum the step's micro-batch gradients in; the step then projects with
+        that P and does not refresh again. None where `accumulation_basis` would refuse for another
+        reason than the refresh, or the refresh failed (the step then refreshes from the summed G).
+        """
+        if not (self.PROJECTED_GRAD_ONLY and group["project"]) or _is_dtensor(p):
+            return None
+        policy = self._basis_policy(group)
+        if not isinstance(policy, ComputedBasis):
+            return None
+        state = self.state[p]
+        if not state:
+            flat = [q for g in self.param_groups for q in g["params"]]
+            self._init_state(p, group, state, next(i for i, q in enumerate(flat) if q is p))
+        side = self._side(p, group)
+        if refresh_due(state, group):
+            done = state[REFRESH]
+            policy.basis(p, grad, state, group, side, self.refresh_stats)
+            if state[REFRESH] == done:
+                return None
+            self._refreshed_ahead[id(p)] = int(state[STEP])
+        return state[BASIS], side
+
     def accumulation_basis(self, p: torch.Tensor, group: dict[str, Any]) -> tuple[torch.Tensor, str] | None:
         """(P, side) in which the micro-batch gradients of `p`'s next step may be summed, or None.
 
@@ -394,7 +422,10 @@ class ProjectedAdam(OwnerPlaced, torch.optim.Optimizer):
     ) -> None:
         """P from the basis policy, R = proj(G), Adam on R, then the method's update."""
         side = self._side(p, group)
-        basis = self._basis_policy(group).basis(p, grad, state, group, side, self.refresh_stats)
+        if self._refreshed_ahead.pop(id(p), None) == state[STEP]:
+            basis = state[BASIS]  # refreshed from this step's first micro-batch (`refresh_basis_ahead`)
+        else:
+            basis = self._basis_policy(group).basis(p, grad, state, group, side, self.refresh_stats)
         if basis is None:
             return
         low = proj.project(grad, basis, side)

@@ -76,6 +76,16 @@ def test_every_issue_key_exists():
         ("train:\n  precision: fp16\n", "train.precision='fp16' is not one of"),
         ("optim:\n  name: sgdx\n", "optim.name='sgdx' is not one of"),
         ("model:\n  preset: llama_70b\n", "model.preset='llama_70b' is not one of"),
+        ("train:\n  in_backward_refresh: first_micro\n", "first_micro needs train.update_in_backward=true"),
+        (
+            "train:\n  in_backward_refresh: first_micro\n  update_in_backward: true\n",
+            "first_micro needs train.grad_clip=0",
+        ),
+        (
+            "train:\n  in_backward_refresh: first_micro\n  update_in_backward: true\n  grad_clip: 0\n"
+            "dist:\n  sharding: fsdp2\n",
+            "does not apply under dist.sharding=fsdp2",
+        ),
         ("train:\n  warmup_ratio: 1.5\n", "train.warmup_ratio=1.5 must be in [0, 1]"),
         ("data:\n  source: files\n", "data.path is required"),
         ("data:\n  source: files\n  path: nowhere/x.txt\n", "data.path not found"),

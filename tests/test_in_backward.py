@@ -266,6 +266,39 @@ def test_low_rank_accumulator_between_refreshes():
     assert w.grad is None and b.grad is None  # every gradient freed
 
 
+def test_refresh_from_the_first_micro_batch(monkeypatch):
+    """``train.in_backward_refresh=first_micro``: the accumulator stays low rank on a refresh step
+    too, and the step equals GaLore's normal step (the summed G) whose refresh was handed the
+    first micro-batch's gradient instead of G."""
+    import optimizers.projection as projection
+
+    w, b, opt = _galore_pair()
+    w2, b2, opt2 = _galore_pair()
+    eng = InBackward([w, b], opt, refresh_ahead=True)
+    compute = projection.compute_basis
+    shapes, first = [], {}
+    for _ in range(5):
+        # 8 rows: each micro-batch's gradient has rank 8 > 4, so its top-4 basis is well defined.
+        xs = [torch.randn(8, 16) for _ in range(K)]
+        for k, x in enumerate(xs):
+            eng.begin_micro(k, K)
+            _micro_backward(w, b, x)
+            if k == 0:
+                shapes.append(tuple(eng._acc[id(w)][0].shape))
+            _micro_backward(w2, b2, x)
+            if k == 0:
+                first["G1"] = w2.grad.detach().clone()
+        eng.finish()
+        with monkeypatch.context() as m:  # the reference refreshes from G_1, steps with the sum
+            m.setattr(projection, "compute_basis", lambda grad, *a, **kw: compute(first["G1"], *a, **kw))
+            opt2.step()
+        opt2.zero_grad()
+    assert shapes == [(4, 24)] * 5  # low rank at the refreshes (steps 1 and 4, T = 3) as well
+    assert opt.refresh_count == opt2.refresh_count == 2
+    assert float((w - w2).detach().norm() / w2.detach().norm()) < 1e-5 and torch.equal(b, b2)
+    assert torch.allclose(opt.state[w]["basis"], opt2.state[w2]["basis"], atol=1e-6)
+
+
 def test_fira_and_apollo_keep_full_accumulators():
     """Their update reads G itself (Fira's residual, APOLLO's channel scaling of G)."""
     from optimizers import APOLLOAdamW, FiraAdamW

@@ -384,6 +384,32 @@ def test_in_backward_measured_gradients_within_the_estimate(recipe, k):
         assert est.grads < est.detail["grads_at_refresh"]
 
 
+def test_first_micro_refresh_keeps_low_rank_accumulators_at_a_refresh():
+    """``train.in_backward_refresh=first_micro``: the refresh step's measured gradient bytes equal
+    the steady step's and the estimate's, which counts low-rank accumulators at a refresh too."""
+    from effpretrain.memory.measure import measure_run
+
+    over = [
+        "data.seq_len=32",
+        "train.batch_size=1",
+        "train.grad_accum=4",
+        "train.loss=standard",
+        "data.shuffle_buffer=0",
+        "train.grad_clip=0",
+        "train.update_in_backward=true",
+    ]
+    recipe = ROOT / "recipes" / "tiny" / "galore.yaml"
+    cfg = load_config(recipe, [*over, "train.in_backward_refresh=first_micro"])
+    V = cfg.data.vocab_size
+    est, accumulated = (
+        memory.estimate_from_config(cfg, V),
+        memory.estimate_from_config(load_config(recipe, over), V),
+    )
+    refresh, steady = measure_run(cfg, V, steps=2)
+    assert refresh["gradients"] == steady["gradients"] == est.grads == est.detail["grads_at_refresh"]
+    assert est.detail["grads_at_refresh"] < accumulated.detail["grads_at_refresh"]
+
+
 @pytest.mark.run
 def test_trainer_reports_in_backward_gradient_bytes(tmp_path):
     """summary.json in this mode: ``grad_bytes`` is the first step's measured peak gradient bytes

@@ -112,6 +112,7 @@ def validate(cfg: RunConfig, source: str = "config") -> RunConfig:
     if cfg.train.activation_checkpointing == "auto" and cfg.train.memory_budget_gb is None:
         raise ConfigError(f"{source}: train.activation_checkpointing=auto needs train.memory_budget_gb")
     _check_method_needs(cfg, source)
+    _check_in_backward_refresh(cfg, source)
     if cfg.restarts.every and cfg.restarts.refactorize and cfg.factor.kind != "none":
         spec = factor_spec(cfg.factor.kind)
         if not (spec.refactorizable or spec.merges_at_restart):
@@ -143,3 +144,22 @@ def _check_method_needs(cfg: RunConfig, source: str) -> None:
             f"{source}: optim.name={cfg.optim.name} takes its {spec.restart_period_arg} from restarts.every: "
             "set restarts.every >= 1"
         )
+
+
+def _check_in_backward_refresh(cfg: RunConfig, source: str) -> None:
+    """``train.in_backward_refresh=first_micro`` acts only where low-rank accumulators do:
+    updates in backward, no clipping, no FSDP2 (whose accumulators are full shards)."""
+    t = cfg.train
+    if t.in_backward_refresh == "accumulated":
+        return
+    why = (
+        "needs train.update_in_backward=true"
+        if not t.update_in_backward
+        else "needs train.grad_clip=0 (low-rank accumulators)"
+        if t.grad_clip > 0
+        else "does not apply under dist.sharding=fsdp2 (its accumulators are full shards)"
+        if cfg.dist.sharding == "fsdp2"
+        else ""
+    )
+    if why:
+        raise ConfigError(f"{source}: train.in_backward_refresh={t.in_backward_refresh} {why}")

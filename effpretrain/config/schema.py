@@ -184,6 +184,13 @@ class TrainConfig:
     accumulators (low rank for GaLore's matrices between refreshes, with `train.grad_clip` 0)
     plus the gradients in flight. Clipping then uses the previous step's norm (README: Updates in
     backward)."""
+    in_backward_refresh: Literal["accumulated", "first_micro"] = "accumulated"
+    """With `train.update_in_backward` and `train.grad_accum` > 1, where a projected matrix's basis
+    refresh takes its gradient: `accumulated` (GaLore's rule: the step's summed gradient, so every
+    refreshing matrix holds a full accumulator during that step) or `first_micro` (the first
+    micro-batch's gradient, refreshed in its hook: the accumulators stay low rank at a refresh
+    step too, the basis is that of one micro-batch's gradient). `first_micro` needs
+    `train.grad_clip` 0 and one process or DDP (docs/memory.md)."""
     loss: Literal["standard", "chunked", "chunked_recompute"] = "chunked"
     """How the cross-entropy over the LM head is computed (same value and gradients):
     `standard` forms the (tokens x vocabulary) logits; `chunked` and `chunked_recompute`

@@ -207,6 +207,9 @@ class EstimateOptions:
     `in_backward_moments`; under FSDP2 the accumulators are per-rank shards, under DDP no bucket is
     counted. Low-rank accumulators only with `grad_clip` 0 (`effpretrain.in_backward`)."""
     grad_clip: float = 0.0
+    in_backward_refresh: str = "accumulated"
+    """``train.in_backward_refresh``: ``first_micro`` keeps a refreshing matrix's accumulator low
+    rank at a refresh step too (its basis comes from the first micro-batch's gradient)."""
 
 
 def estimate(preset: str | ModelShape, method: str = "adamw", **options: Any) -> Estimate:
@@ -267,6 +270,7 @@ def _param_tally(
     shard = o.world_size if o.sharding == "fsdp2" else 1
     t = _Tally(mspec, prec.params, shard, whole_state=shard > 1 and mspec.fsdp2_whole_state)
     t.low_rank_acc = shard == 1 and o.grad_clip <= 0
+    t.refresh_ahead = t.low_rank_acc and o.in_backward_refresh == "first_micro"
     _tally_params(
         t,
         shapes,
@@ -399,6 +403,7 @@ def _estimate_config(
         data=data_bytes(cfg.data.shuffle_buffer, cfg.data.seq_len),
         update_in_backward=cfg.train.update_in_backward,
         grad_clip=cfg.train.grad_clip,
+        in_backward_refresh=cfg.train.in_backward_refresh,
     )
 
 

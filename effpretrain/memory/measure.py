@@ -344,7 +344,7 @@ def measure_run(
     model = place_model(model, cfg, device, planned)
     opt, _ = build_optimizer_and_schedule(model, cfg)
     mb = synthetic_batch(cfg, vocab_size, seed, device)
-    inb = InBackward(model.parameters(), opt, cfg.train.grad_clip) if cfg.train.update_in_backward else None
+    inb = InBackward.for_run(model.parameters(), opt, cfg.train) if cfg.train.update_in_backward else None
     step = make_train_step(model, opt, cfg, lambda k: mb, in_backward=inb, clip=1.0)
     try:
         return [measure_step(step, model, opt, k, in_backward=inb) for k in range(steps)]

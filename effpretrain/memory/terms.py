@@ -109,6 +109,7 @@ class _Tally:
     largest_unit: int = 0
     unit_transient: int = 0
     low_rank_acc: bool = False  # low-rank accumulators allowed (one shard, clipping off)
+    refresh_ahead: bool = False  # and kept low rank at a refresh (the first micro-batch's basis)
 
     def __post_init__(self) -> None:
         self.state_ranks = [0] * self.shard
@@ -162,13 +163,14 @@ class _Tally:
 
     def _in_backward_terms(self, shape: tuple[int, ...], group: dict[str, Any]) -> None:
         """One trainable tensor's in-backward terms: its accumulator (low rank between refreshes
-        where `lowrank_accumulator_bytes` allows, full otherwise and at a refresh) and, as a
+        where `lowrank_accumulator_bytes` allows, full otherwise and at a refresh, unless the
+        refresh takes the first micro-batch's gradient) and, as a
         single-parameter step unit, its gradient; a low-rank accumulator's back-projection
         (one full-size temporary at the last micro-step) counts with the unit's step transient."""
         g = self.stored(shape)
         low = lowrank_accumulator_bytes(self.method, shape, group, self.dtype) if self.low_rank_acc else None
         self.acc_steady += g if low is None else low
-        self.acc_refresh += g
+        self.acc_refresh += low if low is not None and self.refresh_ahead else g
         self.largest_grad = max(self.largest_grad, g)
         self.largest_unit = max(self.largest_unit, g)
         if low is not None:
