@@ -38,6 +38,11 @@ def export(run_or_ckpt: str | Path, out: str | Path) -> Path:
     load_model_weights(model, weights, path)
     spec = factor_spec(cfg.factor.kind) if cfg.factor.kind != "none" else None
     if spec is not None and not spec.dense_equivalent:
+        if type(model).__name__ != "LlamaForCausalLM":
+            raise ConfigError(
+                f"export: factor.kind={cfg.factor.kind} keeps its factors in a FactoredLlamaForCausalLM, "
+                f"which builds LlamaForCausalLM models only (this run trained a {type(model).__name__})"
+            )
         model = _factored_model(model.to(torch.float32), cfg)
         layers = f"{cfg.factor.kind} factors kept: no dense weight"
     else:

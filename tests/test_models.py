@@ -136,6 +136,38 @@ def test_tied_qwen2_two_processes_equal_one(configs, tmp_path):
         )
 
 
+@pytest.mark.run
+def test_a_factorized_tied_qwen2_exports_and_reloads(configs, tmp_path):
+    """Low-Rank surgery on a tied Qwen2, trained, merged and exported: transformers' own
+    AutoModelForCausalLM reloads it (a Qwen2 with its head tied again) with the same logits; CoLA,
+    whose factors are kept in a LLaMA-only class, is refused for it in one line."""
+    from transformers import AutoModelForCausalLM
+
+    from effpretrain.checkpoint import load_checkpoint, load_model_weights
+    from effpretrain.export import export
+    from effpretrain.run_model import build_run_model
+
+    over = overrides(configs["qwen2_tied"], "train.max_steps=3", "train.eval_every=0", "factor.rank=8")
+    cfg = load_config(TINY / "lowrank_restarts.yaml", over)
+    train(cfg, tmp_path / "run")
+    export(tmp_path / "run", tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(hf).__name__ == "Qwen2ForCausalLM" and hf.lm_head.weight is hf.model.embed_tokens.weight
+    path = tmp_path / "run" / "checkpoints" / "step-3"
+    ours, _ = build_run_model(cfg, VOCAB)
+    load_model_weights(ours, load_checkpoint(path)["model"], path)
+    ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(
+            ours.eval()(input_ids=ids).logits, hf(input_ids=ids).logits, atol=1e-5, rtol=1e-5
+        )
+    train(load_config(TINY / "cola.yaml", over), tmp_path / "cola")
+    with pytest.raises(
+        ConfigError, match="FactoredLlamaForCausalLM, which builds LlamaForCausalLM models only"
+    ):
+        export(tmp_path / "cola", tmp_path / "hf_cola")
+
+
 # ----------------------------------------------------------------------------------------------
 # Presets and shapes
 
