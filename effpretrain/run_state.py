@@ -20,7 +20,7 @@ EXACTNESS_KEYS = {
     "factor": None,
     "optim": ("name", "rank", "update_proj_gap", "proj_type", "basis", "targets", "extra"),
     "data": None,
-    "train": ("batch_size", "grad_accum", "seed", "precision", "update_in_backward"),
+    "train": ("batch_size", "grad_accum", "seed", "precision", "update_in_backward", "in_backward_refresh"),
 }
 
 
@@ -68,10 +68,11 @@ class RunFacts(PathAware):
             )
 
     def _check_compatible(self, saved: dict[str, Any]) -> None:
-        now = to_dict(self.cfg)
+        now, default = to_dict(self.cfg), to_dict(RunConfig())
         diffs = []
         for section, keys in EXACTNESS_KEYS.items():
-            a, b = saved.get(section, {}), now[section]
+            # A key newer than the checkpoint stands at its default there (it behaved as that).
+            a, b = {**default[section], **saved.get(section, {})}, now[section]
             for k in keys or b.keys():
                 if a.get(k) != b.get(k):
                     diffs.append(f"{section}.{k}: {a.get(k)!r} -> {b.get(k)!r}")

@@ -108,3 +108,22 @@ def test_sharded_optimizer_state_is_keyed_by_parameter_name():
     with pytest.raises(ValueError, match=rf"param group 0 holds {len(mats)} parameters in the checkpoint, "
                        rf"{len(mats) - 1} here \({first} is in only one\)"):  # fmt: skip
         sharded._keyed_by_index(saved, sharded._param_names(model, fewer))
+
+
+def test_resume_compares_keys_newer_than_the_checkpoint_at_their_defaults():
+    """A checkpoint written before a config key existed (``model.config``,
+    ``train.in_backward_refresh``) resumes: the key behaved as its default there. Changing such a
+    key from its default is still refused."""
+    from effpretrain.config import RunConfig, to_dict
+    from effpretrain.run_state import RunFacts
+
+    old = to_dict(RunConfig())
+    del old["model"]["config"], old["train"]["in_backward_refresh"]
+    RunFacts(RunConfig(), 1, "none", False)._check_compatible(old)
+    changed = RunConfig()
+    changed.train.update_in_backward, changed.train.grad_clip = True, 0.0
+    changed.train.in_backward_refresh = "first_micro"
+    saved = to_dict(changed)
+    saved["train"]["in_backward_refresh"] = "accumulated"
+    with pytest.raises(ConfigError, match="train.in_backward_refresh: 'accumulated' -> 'first_micro'"):
+        RunFacts(changed, 1, "none", False)._check_compatible(saved)
