@@ -19,19 +19,10 @@ VOCAB = 300
 
 def _tied_llama(seed: int = 0) -> torch.nn.Module:
     """A tiny LLaMA with grouped-query attention whose head is its input embedding."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from effpretrain.models.llama import ModelShape, build_model
 
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
+    shape = ModelShape(hidden=32, intermediate=64, heads=4, layers=2, vocab=VOCAB, kv_heads=2, tied=True)
+    model = build_model(shape, seed=seed)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     return model
 
