@@ -10,7 +10,9 @@ create_optimizer(update_in_backward=True), under the Trainer's own gradient accu
 last update of an epoch included), the weights equal the normal Trainer run's (bitwise where the
 same kernels run), no gradient is alive at the optimizer step, the logged grad_norm is the real one
 and the logged LR the schedule's; max_grad_norm clips by the previous step's norm, which survives a
-checkpoint; DeepSpeed, fp16 and a missing callback are refused.
+checkpoint; DeepSpeed, FSDP, fp16 and a missing callback are refused; `prepare_trainer` keeps
+Accelerate's preparation (bf16 autocast, compilation) without a wrapper (several processes:
+tests/test_hf_ddp.py).
 """
 
 from __future__ import annotations
@@ -140,9 +142,11 @@ def make_trainer(
     lr=1e-2,
     max_grad_norm=1.0,
     torch_compile=False,
+    bf16=False,
 ):
     args = TrainingArguments(
         torch_compile=torch_compile,
+        bf16=bf16,
         output_dir=str(out),
         use_cpu=True,
         report_to=[],
@@ -610,9 +614,11 @@ def test_compiled_models_train_as_eager_ones(case, tmp_path):
             callbacks=[hf.EffPretrainCallback()],
             torch_compile=mode == "trainer",
         )
+        if mode == "trainer" and inb:  # prepared without a DDP wrapper, as under several processes
+            hf.prepare_trainer(tr)
         tr.train()
         runs[mode] = losses(tr)
-        if mode == "trainer":  # the Trainer compiled the whole model
+        if mode == "trainer":  # the Trainer (or prepare_trainer) compiled the whole model
             assert type(tr.model_wrapped).__name__ == "OptimizedModule"
     assert sorted(runs["eager"]) == [1, 2, 3, 4]
     for mode in ("blocks", "trainer"):
@@ -658,16 +664,52 @@ def test_update_in_backward_resumes_exactly_with_clipping(tmp_path):
     assert _logged(resumed, "grad_norm")[N] == _logged(straight, "grad_norm")[N]
 
 
+@pytest.mark.run
+def test_prepare_trainer_keeps_accelerates_preparation_without_a_wrapper(tmp_path):
+    """`prepare_trainer` (what several processes need) has Accelerate place the model and wrap its
+    forward in bf16 autocast, as the Trainer's own preparation does, and the Trainer then trains
+    the model itself; it refuses what the callback refuses, and leaves other optimizers alone."""
+    model = tiny_model()
+    opt = hf.create_optimizer(model, "adamw", num_training_steps=2, lr=1e-2, update_in_backward=True)
+    tr = make_trainer(
+        tmp_path / "a", model, max_steps=2, opt=opt, callbacks=[hf.EffPretrainCallback()], bf16=True
+    )
+    hf.prepare_trainer(tr)
+    assert model._is_accelerate_prepared and hasattr(model, "_original_forward")  # autocast
+    with torch.no_grad():
+        logits = model(input_ids=torch.zeros(1, 4, dtype=torch.long)).logits
+    assert logits.dtype == torch.float32  # Accelerate's convert_outputs_to_fp32 around bf16 autocast
+    tr.train()
+    assert tr.model_wrapped is model and len(losses(tr)) == 2
+    other = tiny_model()
+    plain = make_trainer(
+        tmp_path / "b",
+        other,
+        max_steps=2,
+        opt=hf.create_optimizer(other, "adamw", num_training_steps=2, lr=1e-2),
+    )
+    hf.prepare_trainer(plain)  # not an in-backward optimizer: nothing to do
+    assert not getattr(other, "_is_accelerate_prepared", False)
+    third = tiny_model()
+    opt = hf.create_optimizer(third, "adamw", num_training_steps=2, lr=1e-2, update_in_backward=True)
+    refused = make_trainer(tmp_path / "c", third, max_steps=2, opt=opt, callbacks=[hf.EffPretrainCallback()])
+    refused.args.fp16 = True
+    with pytest.raises(ConfigError, match="fp16's GradScaler"):
+        hf.prepare_trainer(refused)
+
+
 @pytest.mark.parametrize(
     "setting,message",
     [
         ({"fp16": True}, "fp16's GradScaler unscales"),
         ({"deepspeed": "ds_config.json"}, "DeepSpeed partitions the gradients"),
+        ({"fsdp": "full_shard"}, "FSDP reduce-scatters the gradients"),
         ({}, "needs EffPretrainCallback"),
     ],
 )
 @pytest.mark.run
 def test_update_in_backward_refuses_what_the_trainer_makes_impossible(setting, message, tmp_path):
+    """Several processes are not refused (`prepare_trainer`, tests/test_hf_ddp.py)."""
     model = tiny_model()
     opt = hf.create_optimizer(model, "adamw", num_training_steps=2, lr=1e-2, update_in_backward=True)
     cbs = [hf.EffPretrainCallback()] if setting else []

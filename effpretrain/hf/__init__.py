@@ -28,11 +28,19 @@ accumulation is the last of an update (the Trainer's own sync flag, read in a fo
 ends each update before the Trainer's ``optimizer.step()`` (which then finds no gradient and runs
 only a wrapper's bookkeeping such as restarts; the LR scheduler steps as usual), replaces the
 logged ``grad_norm`` (the Trainer measures the freed gradients: 0) by the engine's global norm,
-and applies ``max_grad_norm`` with the engine's previous-step-norm rule. DeepSpeed, fp16
-(GradScaler) and several processes are refused.
+and applies ``max_grad_norm`` with the engine's previous-step-norm rule. Under several processes
+(torchrun, DDP) call ``prepare_trainer(trainer)`` before ``trainer.train()``: Accelerate then
+prepares the model without a DDP wrapper (no reducer reducing again after the hooks have stepped,
+no buckets holding a second copy of the gradients), the callback starts every rank from rank 0's
+weights and each final gradient is averaged over the ranks in its own hook, one all-reduce per
+parameter (`effpretrain.in_backward.AllReduceMean`, as ``dist.sharding=ddp`` of
+``effpretrain train``); the order of those all-reduces is checked after every update (a graph
+that differs between ranks is an error). ``max_grad_norm`` then clips with the previous step's
+norm of the averaged gradients, the same number on every rank. DeepSpeed, FSDP, fp16 (GradScaler)
+and DataParallel are refused.
 """
 
-from effpretrain.hf.callback import EffPretrainCallback
+from effpretrain.hf.callback import EffPretrainCallback, prepare_trainer
 from effpretrain.hf.estimate import estimate_memory
 from effpretrain.hf.factory import FactorySettings, build_run_config, create_optimizer, factor_config
 from effpretrain.hf.registry import _find_restarts as _find_restarts  # the tests read it
@@ -46,4 +54,5 @@ __all__ = [
     "create_optimizer",
     "estimate_memory",
     "factor_config",
+    "prepare_trainer",
 ]

@@ -1,4 +1,4 @@
-"""`EffPretrainCallback`: the periodic events, perplexity, memory and the in-backward driving, from Trainer hooks."""
+"""`EffPretrainCallback`: the periodic events, perplexity, memory and the in-backward driving, from Trainer hooks; `prepare_trainer` for updates in backward under several processes."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from effpretrain.config import (
 from effpretrain.errors import ConfigError
 from effpretrain.hf.estimate import _estimate_fields, estimate_memory
 from effpretrain.hf.factory import factor_config
-from effpretrain.hf.registry import _DRIVEN, _engine_of, _find_restarts
-from effpretrain.in_backward import InBackward
+from effpretrain.hf.registry import _DRIVEN, _UNWRAPPED, _engine_of, _find_restarts
+from effpretrain.in_backward import AllReduceMean, InBackward, broadcast_module_, check_same_order
 from effpretrain.optim_setup import opt_telemetry, restart_ramps, wrap_restarts
 from optimizers.momentum_reset import unwrap_optimizer
 from optimizers.restarts import Restarts, recovery_factor
@@ -34,23 +34,48 @@ def _ppl(loss: float) -> float:
     return math.exp(min(float(loss), 50.0))
 
 
-def _in_backward_refusal(args: Any) -> str | None:
-    """Why the Trainer set up by `args` cannot update parameters inside backward (None: it can)."""
+def _in_backward_refusal(args: Any, fsdp: bool = False) -> str | None:
+    """Why the Trainer set up by `args` cannot update parameters inside backward (None: it can);
+    `fsdp`: Accelerate's FSDP plugin is on (an accelerate config that `args` does not show)."""
     if getattr(args, "deepspeed", None):
         return "DeepSpeed partitions the gradients and runs the optimizer step itself"
+    if fsdp or getattr(args, "fsdp", None):
+        return "FSDP reduce-scatters the gradients after the per-parameter hooks have stepped; use DDP (torchrun)"
     if getattr(args, "fp16", False):
         return (
             "fp16's GradScaler unscales and checks the gradients only at optimizer.step(), so the "
             "parameters would step on scaled gradients; use bf16"
         )
-    if getattr(args, "world_size", 1) > 1:
-        return (
-            f"{args.world_size} processes: the Trainer's DDP/FSDP reduce gradients after the per-parameter "
-            "hooks have stepped; one process only"
-        )
     if getattr(args, "n_gpu", 0) > 1:
         return f"DataParallel over {args.n_gpu} GPUs replicates the model at every forward; use one device"
     return None
+
+
+def prepare_trainer(trainer: Any) -> None:
+    """Readies a transformers `Trainer` for an optimizer from ``create_optimizer(...,
+    update_in_backward=True)`` under several processes: call it after building the Trainer and
+    before ``trainer.train()`` (optional with one process; nothing to do for other optimizers).
+
+    Under torchrun the Trainer has Accelerate wrap the model in DDP, whose reducer would reduce
+    every gradient again after the per-parameter hooks have stepped, into buckets holding a full
+    copy of the gradients. Here Accelerate prepares the model without a wrapper, the way the Trainer
+    prepares a model that reduces its own gradients (``accelerator.prepare_model(model,
+    evaluation_mode=True)``: device placement, mixed-precision autocast, ``torch_compile``); the
+    Trainer then keeps it as it is, and `EffPretrainCallback` averages each final gradient over the
+    ranks in its hook.
+
+    Raises:
+        ConfigError: the Trainer runs DeepSpeed, FSDP, fp16 or DataParallel.
+    """
+    if _engine_of(trainer.optimizer) is None or trainer.model in _UNWRAPPED:
+        return
+    why = _in_backward_refusal(trainer.args, fsdp=bool(getattr(trainer, "is_fsdp_enabled", False)))
+    if why:
+        raise ConfigError(f"create_optimizer(update_in_backward=True): {why}")
+    prepared = trainer.accelerator.prepare_model(trainer.model, evaluation_mode=True)
+    if prepared is not trainer.model:  # compiled: the Trainer trains model_wrapped and prepares no model
+        trainer.model_wrapped = prepared
+    _UNWRAPPED.add(trainer.model)
 
 
 def _seq_len_of(dataloader: Any) -> int | None:
@@ -96,7 +121,14 @@ class EffPretrainCallback(TrainerCallback, ExportableState):
     optimizer refuses to step without it). ``TrainingArguments.max_grad_norm = c > 0`` multiplies
     step t's gradients by min(1, c / (||G_{t-1}|| + 1e-6)) (the first step unclipped), as
     ``train.grad_clip`` does in this mode: exact clipping would need every gradient before the
-    first parameter steps, and refusing c > 0 would refuse the Trainer's default (1.0).
+    first parameter steps, and refusing c > 0 would refuse the Trainer's default (1.0). Under
+    several processes (a Trainer readied by `prepare_trainer`: no DDP wrapper) every rank starts
+    from rank 0's weights, each final gradient is averaged over the ranks in its hook before it is
+    clipped and stepped (`effpretrain.in_backward.AllReduceMean`, one all-reduce per parameter, no
+    buckets), so the norm and clip coefficient are the same on every rank; after each update the
+    ranks' all-reduce orders are compared (`check_same_order`: a graph that differs between ranks
+    raises). DeepSpeed, FSDP, fp16 and DataParallel are refused, and so are several processes
+    without `prepare_trainer` (the Trainer's DDP would reduce again after the hooks have stepped).
 
     Checkpoints. Its counters are saved in each checkpoint's ``trainer_state.json`` (as an
     `ExportableState`), with the previous step's gradient norm in updates in backward, and read back
@@ -234,6 +266,7 @@ class EffPretrainCallback(TrainerCallback, ExportableState):
                 activation_checkpointing=1 if args.gradient_checkpointing else 0,
                 grad_accum=args.gradient_accumulation_steps,
                 grad_clip=float(args.max_grad_norm or 0.0),
+                world_size=int(getattr(args, "world_size", 1)),
             )
         self._estimate_logged = False
 
@@ -247,9 +280,20 @@ class EffPretrainCallback(TrainerCallback, ExportableState):
         if engine is None:
             return
         why = _in_backward_refusal(args)
+        world = int(getattr(args, "world_size", 1))
+        if not why and world > 1 and model not in _UNWRAPPED:
+            why = (
+                f"{world} processes: call effpretrain.hf.prepare_trainer(trainer) before trainer.train(), "
+                "or the Trainer's DDP reduces the gradients again after the per-parameter hooks have stepped"
+            )
         if why:
             raise ConfigError(f"create_optimizer(update_in_backward=True): {why}")
         self._inb = engine
+        # Several processes (DDP without a wrapper, as the trainer's ddp mode): the ranks start from
+        # rank 0's weights, and each final gradient is averaged over them in its hook.
+        self._inb.reduce = AllReduceMean(world) if world > 1 else None
+        if world > 1:
+            broadcast_module_(model)
         # The Trainer's own clipping would act on no gradients (they are freed in backward): its
         # threshold applies the engine's rule instead, c_t = min(1, max_norm / (||G_{t-1}|| + 1e-6)).
         self._inb.max_norm = float(args.max_grad_norm or 0.0)
@@ -283,6 +327,8 @@ class EffPretrainCallback(TrainerCallback, ExportableState):
             # Every parameter has stepped in backward; the Trainer's optimizer.step() that follows
             # finds no gradient and runs only a wrapper's bookkeeping (restarts), once per update.
             self._inb_norm = self._inb.finish()
+            if self._inb.reduce is not None:  # a graph that differs between ranks paired wrong gradients
+                check_same_order(self._inb.order, self._device)
             if self._inb.skipped:
                 log.warning(
                     "update_in_backward, step %d: %d parameters with non-finite gradients were not updated",

@@ -64,16 +64,17 @@ def estimate_memory(
     activation_checkpointing: int = 0,
     grad_accum: int = 1,
     grad_clip: float = 0.0,
+    world_size: int = 1,
 ) -> memory.Estimate:
-    """The analytic memory estimate for training `model` with `optimizer`, in bytes (one process).
+    """The analytic memory estimate for training `model` with `optimizer`, in bytes per process.
 
     When the model is of a supported architecture (Llama, Mistral, Qwen2, Qwen3; any shape and
-    vocabulary, fp32 or bf16) this is
-    `effpretrain.memory.estimate`, the same numbers as ``effpretrain estimate`` and a run's
-    summary.json, activations included (when `seq_len` is known). Otherwise weights, gradients and
-    optimizer state are derived from the model's actual parameters and the optimizer's actual
-    param groups with the same per-method formulas (`optimizers.state_bytes`); activations are not
-    estimated (0, ``detail["activations"] == "unknown"``). ``detail["source"]`` says which.
+    vocabulary, fp32 or bf16) this is `effpretrain.memory.estimate`, the same numbers as
+    ``effpretrain estimate`` and a run's summary.json, activations included (when `seq_len` is
+    known). Otherwise weights, gradients and optimizer state are derived from the model's actual
+    parameters and the optimizer's actual param groups with the same per-method formulas
+    (`optimizers.state_bytes`); activations are not estimated (0, ``detail["activations"] ==
+    "unknown"``). ``detail["source"]`` says which.
 
     Args:
         model: the model (after any factorization).
@@ -83,38 +84,49 @@ def estimate_memory(
         batch_size: sequences per process per micro-step.
         seq_len: tokens per sequence; None leaves activations out.
         activation_checkpointing: checkpoint every k-th decoder layer (0: off).
-        grad_accum: micro-batches per update (held gradients; in backward: the accumulators).
+        grad_accum: micro-batches per update (held gradients; with an optimizer from
+            ``create_optimizer(..., update_in_backward=True)`` the in-backward terms: accumulators).
         grad_clip: the clipping threshold (in backward, 0 allows GaLore's low-rank accumulators).
-
-    An optimizer from ``create_optimizer(..., update_in_backward=True)`` gets the in-backward
-    gradient terms (supported architectures; `effpretrain.memory.estimate`).
+        world_size: the Trainer's processes: its DDP's buckets (a second copy of the gradients)
+            count in the ``peak`` (supported architectures), except with updates in backward,
+            where the model has no DDP wrapper (`prepare_trainer`): one process's figures.
     """
     method = _method_of(optimizer)
     shape, dtype = _shape_of(model), _dtype_name(model, bf16_autocast)
     if shape is None or dtype is None or method is None:
         return _from_parameters(model, optimizer, method)
-    f, cfg = factor_config(model), _config_of(optimizer)
     est = memory.estimate(
         shape,
         method,
         dtype=dtype,
-        vocab_size=model.config.vocab_size,
-        optim_cfg=cfg.optim if cfg is not None else _optim_config_from_groups(method, optimizer),
-        factor_kind=f.kind,
-        factor_rank=f.rank,
-        density=f.density,
-        factor_targets=f.targets,
+        **_model_options(model, optimizer, method),
         batch_size=batch_size,
         seq_len=seq_len or 1,
         activation_checkpointing=activation_checkpointing,
         grad_accum=grad_accum,
-        update_in_backward=_engine_of(optimizer) is not None,
         grad_clip=grad_clip,
+        world_size=world_size,
+        sharding="ddp" if world_size > 1 else "none",
+        ddp_bucket_view=False,
     )
     est.detail["source"] = f"{'preset' if shape.label in PRESETS else 'model'}:{shape.label}"
     if seq_len is None:
         est = dataclasses.replace(est, activations=0, detail={**est.detail, "activations": "unknown"})
     return est
+
+
+def _model_options(model: torch.nn.Module, optimizer: Any, method: str) -> dict[str, Any]:
+    """`memory.estimate`'s options read from the model and its optimizer."""
+    f, cfg = factor_config(model), _config_of(optimizer)
+    return {
+        "vocab_size": model.config.vocab_size,
+        "optim_cfg": cfg.optim if cfg is not None else _optim_config_from_groups(method, optimizer),
+        "factor_kind": f.kind,
+        "factor_rank": f.rank,
+        "density": f.density,
+        "factor_targets": f.targets,
+        "update_in_backward": _engine_of(optimizer) is not None,
+    }
 
 
 def _from_parameters(model: torch.nn.Module, optimizer: Any, method: str | None) -> memory.Estimate:

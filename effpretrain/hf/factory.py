@@ -105,7 +105,8 @@ class FactorySettings:
     """Length R of the LR ramp after a restart (``restarts.recovery_steps``)."""
     update_in_backward: bool = False
     """Update each parameter inside backward and free its gradient (``train.update_in_backward``;
-    needs `EffPretrainCallback`; one process, no fp16, no DeepSpeed)."""
+    needs `EffPretrainCallback`, and `prepare_trainer` under several processes; no fp16, DeepSpeed
+    or FSDP)."""
     method_kwargs: dict[str, Any] = field(default_factory=dict)
     """The method's own constructor options (``optim.extra``): every other keyword."""
 

@@ -28,6 +28,9 @@ _ENGINES: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[InBackwar
 # Engines a callback drives (marks micro-batches, finishes steps): the optimizer refuses to step
 # for any other, as the Trainer's step would then silently run on whole gradients.
 _DRIVEN: weakref.WeakSet[InBackward] = weakref.WeakSet()
+# Models `prepare_trainer` had Accelerate prepare without a DDP wrapper: under several processes
+# the callback averages their gradients in the in-backward hooks, and refuses any other model.
+_UNWRAPPED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 log = logging.getLogger(__name__)
 
