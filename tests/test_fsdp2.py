@@ -78,8 +78,11 @@ WORKER = textwrap.dedent(
             tr = Trainer(cfg, out / "probe")
             shapes = {n: [list(p.shape), list(p.to_local().shape), str(p.placements)]
                       for n, p in tr.model.named_parameters()}
+            from torch.distributed.fsdp import FSDPModule
+            units = sorted(n for n, m in tr.model.named_modules() if isinstance(m, FSDPModule))
             if tr.rank == 0:
                 (out / "shards.json").write_text(json.dumps(shapes))
+                (out / "units.json").write_text(json.dumps(units))
             del tr
         train(cfg, out / f"{name}-2p")
     over = fsdp + ["train.batch_size=2", "train.save_every=10"]  # with clipping
@@ -113,6 +116,11 @@ def test_parameters_are_really_sharded(runs):
     for name, (whole, mine, placements) in shapes.items():
         assert "Shard(dim=0)" in placements, name
         assert mine[0] == -(-whole[0] // 2) and mine[1:] == whole[1:], name  # torch.chunk's split
+    # The FSDP2 units: each decoder layer, the embedding and the head (untied), and the root.
+    layers = sorted(f"model.layers.{i}" for i in range(4))
+    assert json.loads((runs / "units.json").read_text()) == sorted(
+        ["", *layers, "model.embed_tokens", "lm_head"]
+    )
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -113,7 +113,7 @@ def peak_moments(
         "loss_backward": {**base, "grads": held, "activations": acts.total, "loss": acts.loss.backward},
     }
     for m in out.values():
-        m["fsdp_gather"] = dist.gather
+        m["fsdp_gather"] = dist.gather + dist.head  # the loss reads the gathered head
     out["block_backward"] = _worst_block_backward(t, acts, checkpointed, dist, base, held, in_backward)
     stepped = in_backward is not None  # every unit has stepped and freed its gradient
     out["optimizer_step"] = {

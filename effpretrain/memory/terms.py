@@ -98,9 +98,10 @@ class _Tally:
     restart_transient: int = 0
     block_temporaries: int = 0  # set by `estimate`: one block's backward temporaries
     unit: int | None = None  # the decoder layer being tallied (None: embeddings, final norm, head)
+    fsdp_unit: int | str | None = None  # its FSDP2 unit: the layer, "embed", "head" or None (the root)
     block_grads: dict[int, int] = field(default_factory=dict)
-    unit_full: dict[int | None, int] = field(default_factory=dict)  # FSDP2 units, unsharded bytes
-    unit_mine: dict[int | None, int] = field(default_factory=dict)  # and rank 0's shard
+    unit_full: dict[int | str | None, int] = field(default_factory=dict)  # FSDP2 units, unsharded bytes
+    unit_mine: dict[int | str | None, int] = field(default_factory=dict)  # and rank 0's shard
     # ``train.update_in_backward`` (`InBackwardTerms`): accumulators between refreshes and at a
     # refresh, the largest parameter's and step unit's gradients, the largest unit's step transient.
     acc_steady: int = 0
@@ -193,8 +194,9 @@ class _Tally:
     def stored_weight(self, shape: tuple[int, ...]) -> None:
         """A parameter's storage on this rank, and its FSDP2 unit's (unsharded and rank 0's)."""
         self.weights += self.stored(shape)
-        self.unit_full[self.unit] = self.unit_full.get(self.unit, 0) + math.prod(shape) * self.dtype.itemsize
-        self.unit_mine[self.unit] = self.unit_mine.get(self.unit, 0) + self.stored(shape)
+        u = self.fsdp_unit
+        self.unit_full[u] = self.unit_full.get(u, 0) + math.prod(shape) * self.dtype.itemsize
+        self.unit_mine[u] = self.unit_mine.get(u, 0) + self.stored(shape)
 
 
 def _tally_factorized(
@@ -263,8 +265,11 @@ def _tally_params(
     weights in their matrix group (`MethodSpec.matrix_role`, as the trainer's param groups), the
     rest as dense trainable tensors (the query and key weights with the `heads` group options, if
     any)."""
+    shapes = list(shapes)
+    edges = any(s.name == "lm_head.weight" for s in shapes)  # untied: embedding and head are units
     for s in shapes:
         t.unit = _layer_of(s.name)
+        t.fsdp_unit = _fsdp_unit_of(s.name, edges)
         if factor is not None and s.linear in factor_targets:
             t.params += _tally_factorized(t, *s.shape, factor, factor_rank, density, warm_start, restarts)
             continue
@@ -293,13 +298,15 @@ class DistTerms:
     into them, so no gradient is counted beside them; without it every gradient is a second copy.
     `gather`: FSDP2's unsharded parameters during forward and backward (the root unit's, which
     stay gathered, and two decoder layers': the current and the prefetched one, less the shards
-    already counted); `reduce`: FSDP2's reduce-scatter input in backward (the largest unit's full
-    gradient)."""
+    already counted; an untied model's embedding and head are units of their own, gathered only
+    for their own forward and backward); `reduce`: FSDP2's reduce-scatter input in backward (the
+    largest unit's full gradient); `head`: the head unit's unsharded part, gathered at the loss."""
 
     buckets: int = 0
     grads_in_buckets: bool = False
     gather: int = 0
     reduce: int = 0
+    head: int = 0
 
 
 def _dist_terms(t: _Tally, sharding: str, world_size: int, bucket_view: bool) -> DistTerms:
@@ -307,11 +314,11 @@ def _dist_terms(t: _Tally, sharding: str, world_size: int, bucket_view: bool) ->
         return DistTerms(buckets=t.grads, grads_in_buckets=bucket_view)
     if t.shard <= 1:
         return DistTerms()
-    layers = [u for u in t.unit_full if u is not None] or [None]
+    layers = [u for u in t.unit_full if isinstance(u, int)] or [None]
     big = max(layers, key=lambda u: t.unit_full[u])
     unsharded = lambda u: t.unit_full.get(u, 0) - t.unit_mine.get(u, 0)  # noqa: E731
     gather = unsharded(None) + 2 * unsharded(big)
-    return DistTerms(gather=gather, reduce=max(t.unit_full.values(), default=0))
+    return DistTerms(gather=gather, reduce=max(t.unit_full.values(), default=0), head=unsharded("head"))
 
 
 def data_bytes(shuffle_buffer: int, seq_len: int) -> int:
@@ -319,6 +326,16 @@ def data_bytes(shuffle_buffer: int, seq_len: int) -> int:
     int32 ids and one int32 length each, ``4 P (T + 1)``) and the copy the trainer's step takes of
     it to undo a skipped step's draw: ``8 P (T + 1)``; 0 without a shuffle buffer."""
     return 8 * shuffle_buffer * (seq_len + 1)
+
+
+def _fsdp_unit_of(name: str, edges: bool) -> int | str | None:
+    """The FSDP2 unit a parameter is sharded in (`effpretrain.fsdp.apply_fsdp2`): its decoder
+    layer, with `edges` (an untied model) ``"embed"`` or ``"head"``, else the root (None)."""
+    if edges and name.startswith("model.embed_tokens."):
+        return "embed"
+    if edges and name.startswith("lm_head."):
+        return "head"
+    return _layer_of(name)
 
 
 def _layer_of(name: str) -> int | None:
