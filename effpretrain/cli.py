@@ -347,6 +347,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("effpretrain: interrupted", file=sys.stderr)
         return 130
+    finally:
+        _end_process_group()
+
+
+def _end_process_group() -> None:
+    """Tears down this process's torch.distributed group before the interpreter exits (torch asks
+    for it: a gloo group left to the exit's destructors can abort the process after a finished run)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -119,6 +119,8 @@ WORKER = textwrap.dedent(
             report["swapped"] = str(e)
 
     (out / f"{mode}-{rank}.json").write_text(json.dumps(report))
+    if torch.distributed.is_initialized():  # before exit, as torch asks (gloo's threads)
+        torch.distributed.destroy_process_group()
     """
 )
 
