@@ -640,3 +640,20 @@ def test_estimate_command_shows_the_in_backward_mode(capsys):
     assert clipped.grads > want.grads and f"({clipped.grads:,} B)" in capsys.readouterr().out
     assert cli.main(args) == 0
     assert "updates in backward" not in capsys.readouterr().out
+
+
+def test_fsdp2_peak_per_rank():
+    """Under FSDP2 a whole-stepped matrix's state and step temporaries live on its owner rank, so
+    the ranks' peaks differ (llama3_8b, 8-bit GaLore in backward on 8 ranks: the owners of the
+    128k-row embedding and head step them whole); the estimate's peak is the largest of them, and
+    the table prints every rank's."""
+    from effpretrain.memory import format_table
+
+    kw = dict(dtype="bf16-pure", batch_size=1, seq_len=2048, activation_checkpointing=1, world_size=8)
+    est = estimate("llama3_8b", "galore_8bit", sharding="fsdp2", update_in_backward=True, grad_clip=0.0, **kw)
+    ranks = est.detail["peak_per_rank"]
+    assert len(ranks) == 8 and max(ranks) == est.peak and min(ranks) < max(ranks)
+    assert all(f"rank {r}" in format_table(est) for r in range(8))
+    # A run whose ranks hold the same (element-wise state, sharded): one figure for all.
+    even = estimate("llama3_8b", "adamw", sharding="fsdp2", **kw)
+    assert even.detail["peak_per_rank"] == [even.peak] * 8 and "rank 0" not in format_table(even)

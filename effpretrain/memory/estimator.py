@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from collections.abc import Collection
@@ -162,6 +163,25 @@ def _worst_block_backward(
     return worst
 
 
+def _rank_moments(
+    t: _Tally,
+    rank: int,
+    acts: Activations,
+    ck: Collection[int],
+    o: EstimateOptions,
+    dist: DistTerms,
+    ib: InBackwardTerms | None,
+) -> dict[str, dict[str, int]]:
+    """`peak_moments` (or `in_backward_moments`) of one rank: its own optimizer state and step
+    temporaries (under FSDP2 a whole-stepped matrix's state and step live on its owner rank)."""
+    mine = copy.copy(t)
+    mine.state, mine.transient = t.state_ranks[rank], t.transient_ranks[rank]
+    if ib is None:
+        return peak_moments(mine, acts, ck, o.grad_accum, dist, o.data)
+    ib = dataclasses.replace(ib, step_transient=t.unit_transient_ranks[rank])
+    return in_backward_moments(mine, acts, ck, o.grad_accum, dist, o.data, ib)
+
+
 def _peak(moments: dict[str, dict[str, int]]) -> tuple[int, str, dict[str, int]]:
     name = max(moments, key=lambda k: sum(moments[k].values()))
     terms = {k: v for k, v in moments[name].items() if v}
@@ -236,11 +256,10 @@ def estimate(preset: str | ModelShape, method: str = "adamw", **options: Any) ->
     dist = _dist_terms(
         t, "none" if ib and o.sharding == "ddp" else o.sharding, o.world_size, o.ddp_bucket_view
     )
-    if ib is None:
-        moments = peak_moments(t, acts, ck, o.grad_accum, dist, o.data)
-    else:
-        moments = in_backward_moments(t, acts, ck, o.grad_accum, dist, o.data, ib)
-    peak, moment, terms = _peak(moments)
+    ranks = [_rank_moments(t, r, acts, ck, o, dist, ib) for r in range(len(t.state_ranks))]
+    peaks = [_peak(m) for m in ranks]
+    worst = max(range(len(peaks)), key=lambda r: peaks[r][0])
+    moments, (peak, moment, terms) = ranks[worst], peaks[worst]
     detail = {
         "preset": preset if isinstance(preset, str) else p.label,
         "method": method,
@@ -250,6 +269,7 @@ def estimate(preset: str | ModelShape, method: str = "adamw", **options: Any) ->
         "sharding": o.sharding,
         "sparse_index_bytes": t.index_bytes,
         "optimizer_state_per_rank": t.state_ranks,
+        "peak_per_rank": [p_[0] for p_ in peaks],
         "checkpointed_layers": sorted(ck),
         "loss": o.loss,
         "peak_phase": "optimizer_step" if moment == "optimizer_step" else "forward_backward",
@@ -441,6 +461,9 @@ def format_table(est: Estimate, top: int = 4) -> str:
             ("all, normal path", d["grads_all_parameters"]),
         ]
         lines[4:4] = [f"    {name:<22}{b / 1e9:>10.3f} GB" for name, b in sub]
+    peaks = d.get("peak_per_rank", [])
+    if len(peaks) > 1 and min(peaks) != max(peaks):
+        lines += [f"    rank {r:<17}{b / 1e9:>10.3f} GB" for r, b in enumerate(peaks)]
     terms = sorted(d.get("peak_terms", {}).items(), key=lambda kv: -kv[1])[:top]
     lines.append(f"  peak at {d.get('peak_moment', '?')} ({d.get('peak_phase', '?')}), largest terms:")
     lines += [f"    {name:<22}{b / 1e9:>10.3f} GB" for name, b in terms]

@@ -90,7 +90,11 @@ class _Tally:
     state: int = 0  # set by `finish`: the largest rank's state, shared state included once
     state_ranks: list[int] = field(default_factory=list)  # each rank's state (`finish`)
     shared_ranks: list[int] = field(default_factory=list)  # state held once per optimizer, per rank
-    owned: list[tuple[int, int, int]] = field(default_factory=list)  # (cost, state, shared) on owners
+    owned: list[tuple[int, int, int, int]] = field(default_factory=list)  # (cost, state, shared, step)
+    local_transient: int = 0  # the step temporaries every rank has (its shards' steps)
+    local_unit_transient: int = 0
+    transient_ranks: list[int] = field(default_factory=list)  # each rank's (`finish`): its owned steps too
+    unit_transient_ranks: list[int] = field(default_factory=list)
     params: int = 0
     trainable: int = 0
     index_bytes: int = 0
@@ -137,12 +141,14 @@ class _Tally:
         group = group or {}
         # Projected and whole-matrix weights (`MethodSpec.steps_whole`) step whole, on an owner.
         whole = self.method.steps_whole(group) or self.whole_state
-        if whole and self.shard > 1:
+        owned = whole and self.shard > 1
+        if owned:
             self.owned.append(
                 (
                     optimizers.whole_cost(shape, group),
                     self.method.state_bytes(shape, group, self.dtype),
                     self.method.shared_state_bytes(shape, group, self.dtype),
+                    0,  # its step's temporaries, set below
                 )
             )
         else:
@@ -161,6 +167,16 @@ class _Tally:
             step = max(step + 2 * full, 4 * full)
         self.transient = self.transient + step if self.method.foreach else max(self.transient, step)
         self.unit_transient = max(self.unit_transient, step)  # in backward each unit steps alone
+        if owned:  # on its owner rank only
+            self.owned[-1] = (*self.owned[-1][:3], step)
+        else:
+            self.local_step(step)
+
+    def local_step(self, step: int) -> None:
+        """A step's temporaries that every rank has (a shard's step, or an unsharded run's)."""
+        f = self.method.foreach
+        self.local_transient = self.local_transient + step if f else max(self.local_transient, step)
+        self.local_unit_transient = max(self.local_unit_transient, step)
 
     def _in_backward_terms(self, shape: tuple[int, ...], group: dict[str, Any]) -> None:
         """One trainable tensor's in-backward terms: its accumulator (low rank between refreshes
@@ -176,6 +192,7 @@ class _Tally:
         self.largest_unit = max(self.largest_unit, g)
         if low is not None:
             self.unit_transient = max(self.unit_transient, g)
+            self.local_unit_transient = max(self.local_unit_transient, g)
 
     def chunks(self, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
         """Every rank's part of a `shape` tensor under FSDP2 (torch.chunk's rows)."""
@@ -184,10 +201,14 @@ class _Tally:
     def finish(self) -> None:
         """Places the whole-state tensors on their owner ranks (`optimizers.assign_owners`, as the
         optimizers do) and sets ``state`` to the largest rank's total, ``state_ranks`` to each's."""
-        owners = optimizers.assign_owners([(c, s) for c, s, _ in self.owned], self.shard)
-        for (_, state, shared), r in zip(self.owned, owners):
+        owners = optimizers.assign_owners([(c, s) for c, s, _, _ in self.owned], self.shard)
+        self.transient_ranks = [self.local_transient] * len(self.state_ranks)
+        self.unit_transient_ranks = [self.local_unit_transient] * len(self.state_ranks)
+        for (_, state, shared, step), r in zip(self.owned, owners):
             self.state_ranks[r] += state
             self.shared_ranks[r] = max(self.shared_ranks[r], shared)
+            self.transient_ranks[r] = max(self.transient_ranks[r], step)
+            self.unit_transient_ranks[r] = max(self.unit_transient_ranks[r], step)
         self.state_ranks = [a + b for a, b in zip(self.state_ranks, self.shared_ranks)]
         self.state = max(self.state_ranks)
 
@@ -231,6 +252,7 @@ def _tally_factorized(
         pair = t.method.pair_step_transient_bytes(m, n, rank, t.dtype)
         t.transient = max(t.transient, pair)
         t.unit_transient = max(t.unit_transient, pair)
+        t.local_step(pair)
         t.largest_unit = max(t.largest_unit, t.stored((m, rank)) + t.stored((rank, n)))
     t.index_bytes += counts["index_elements"] * torch.int64.itemsize
     t.trainable += m * n if warm else counts["trainable"]
