@@ -243,3 +243,26 @@ def test_bad_configs_are_refused_in_one_line(configs, tmp_path):
             tmp_path / "run",
         )
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_auto_checkpointing_plans_on_the_configs_layers(configs):
+    """``activation_checkpointing: auto`` reads the model's own layers and shape: for the Qwen3
+    config (2 layers, head size 32, q/k norms) a budget between the peaks with 1 and 0 layers
+    checkpointed picks layer 0 only; below the all-layers peak nothing fits."""
+    from effpretrain.memory import estimate_from_config, plan_checkpointing
+
+    base = load_config(
+        TINY / "adamw.yaml", overrides(configs["qwen3"], "data.seq_len=128", "train.batch_size=8")
+    )
+    peaks = [estimate_from_config(base, VOCAB, checkpointed=range(k)).peak for k in range(3)]
+    assert peaks[0] > peaks[1] > peaks[2]
+    budget = (peaks[0] + peaks[1]) / 2 / 1e9
+    over = ["train.activation_checkpointing=auto", f"train.memory_budget_gb={budget}"]
+    cfg = load_config(
+        TINY / "adamw.yaml", overrides(configs["qwen3"], "data.seq_len=128", "train.batch_size=8", *over)
+    )
+    layers, est = plan_checkpointing(cfg, VOCAB)
+    assert layers == [0] and est.peak == peaks[1]
+    cfg.train.memory_budget_gb = peaks[2] / 2 / 1e9
+    with pytest.raises(ConfigError, match="nothing fits; with every decoder layer checkpointed"):
+        plan_checkpointing(cfg, VOCAB)
