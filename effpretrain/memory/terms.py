@@ -98,7 +98,7 @@ class _Tally:
     params: int = 0
     trainable: int = 0
     index_bytes: int = 0
-    transient: int = 0  # the optimizer step's temporaries (summed for a foreach method, else the largest)
+    transient: int = 0  # set by `finish`: the largest rank's step temporaries (`transient_ranks`)
     restart_transient: int = 0
     block_temporaries: int = 0  # set by `estimate`: one block's backward temporaries
     unit: int | None = None  # the decoder layer being tallied (None: embeddings, final norm, head)
@@ -112,7 +112,7 @@ class _Tally:
     acc_refresh: int = 0
     largest_grad: int = 0
     largest_unit: int = 0
-    unit_transient: int = 0
+    unit_transient: int = 0  # set by `finish`: the largest rank's (`unit_transient_ranks`)
     low_rank_acc: bool = False  # low-rank accumulators allowed (one shard, clipping off)
     refresh_ahead: bool = False  # and kept low rank at a refresh (the first micro-batch's basis)
 
@@ -165,8 +165,6 @@ class _Tally:
             # buffer of the same size (freed before the step's own temporaries).
             full = math.prod(shape) * self.dtype.itemsize
             step = max(step + 2 * full, 4 * full)
-        self.transient = self.transient + step if self.method.foreach else max(self.transient, step)
-        self.unit_transient = max(self.unit_transient, step)  # in backward each unit steps alone
         if owned:  # on its owner rank only
             self.owned[-1] = (*self.owned[-1][:3], step)
         else:
@@ -191,7 +189,6 @@ class _Tally:
         self.largest_grad = max(self.largest_grad, g)
         self.largest_unit = max(self.largest_unit, g)
         if low is not None:
-            self.unit_transient = max(self.unit_transient, g)
             self.local_unit_transient = max(self.local_unit_transient, g)
 
     def chunks(self, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -200,7 +197,8 @@ class _Tally:
 
     def finish(self) -> None:
         """Places the whole-state tensors on their owner ranks (`optimizers.assign_owners`, as the
-        optimizers do) and sets ``state`` to the largest rank's total, ``state_ranks`` to each's."""
+        optimizers do) and sets ``state`` to the largest rank's total, ``state_ranks`` to each's,
+        and likewise the step temporaries (a whole-stepped matrix's on its owner)."""
         owners = optimizers.assign_owners([(c, s) for c, s, _, _ in self.owned], self.shard)
         self.transient_ranks = [self.local_transient] * len(self.state_ranks)
         self.unit_transient_ranks = [self.local_unit_transient] * len(self.state_ranks)
@@ -211,6 +209,7 @@ class _Tally:
             self.unit_transient_ranks[r] = max(self.unit_transient_ranks[r], step)
         self.state_ranks = [a + b for a, b in zip(self.state_ranks, self.shared_ranks)]
         self.state = max(self.state_ranks)
+        self.transient, self.unit_transient = max(self.transient_ranks), max(self.unit_transient_ranks)
 
     def stored_weight(self, shape: tuple[int, ...]) -> None:
         """A parameter's storage on this rank, and its FSDP2 unit's (unsharded and rank 0's)."""
@@ -250,8 +249,6 @@ def _tally_factorized(
         t.restart_transient = max(t.restart_transient, spec.restart_transient_bytes(m, n, rank))
     if not warm and t.method.steps_factor_pairs:  # the pair steps jointly (LORO's exact step)
         pair = t.method.pair_step_transient_bytes(m, n, rank, t.dtype)
-        t.transient = max(t.transient, pair)
-        t.unit_transient = max(t.unit_transient, pair)
         t.local_step(pair)
         t.largest_unit = max(t.largest_unit, t.stored((m, rank)) + t.stored((rank, n)))
     t.index_bytes += counts["index_elements"] * torch.int64.itemsize
