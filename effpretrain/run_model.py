@@ -17,7 +17,7 @@ from effpretrain.errors import ConfigError
 from effpretrain.loss import token_loss_sum
 from effpretrain.models import FACTOR_KINDS, apply_factorization, build_model, set_activation_checkpointing
 from effpretrain.models.factorized import begin_warm_start_
-from effpretrain.models.llama import load_hf_config, shape_of
+from effpretrain.models.llama import load_hf_config, model_shape
 
 
 def build_run_model(cfg: RunConfig, vocab_size: int) -> tuple[torch.nn.Module, dict[str, Any] | None]:
@@ -63,12 +63,8 @@ def run_hf_config(cfg: RunConfig, vocab_size: int) -> Any:
     """``model.config``'s transformers config, checked against the run: a supported architecture,
     the tokenizer's vocabulary, enough positions for ``data.seq_len`` (``model.
     max_position_embeddings``, when set, replaces the config's)."""
-    source = cfg.model.config
-    try:
-        hf_config = load_hf_config(source)
-        shape_of(hf_config)
-    except ValueError as e:
-        raise ConfigError(f"model.config: {e}") from None
+    model_shape(cfg.model)  # readable and supported, else the one-line ConfigError
+    hf_config = load_hf_config(cfg.model.config)
     if hf_config.vocab_size != vocab_size:
         raise ConfigError(
             f"model.config: vocab_size={hf_config.vocab_size} but the tokenizer has {vocab_size} tokens; "
