@@ -135,7 +135,7 @@ def runs(tmp_path_factory):
 
 
 def _weights(out, name: str, case: str) -> dict[str, torch.Tensor]:
-    return torch.load(out / f"{name}-{case}.pt")
+    return torch.load(out / f"{name}-{case}.pt", weights_only=True)
 
 
 @pytest.mark.parametrize("case", list(CASES))
