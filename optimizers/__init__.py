@@ -189,14 +189,26 @@ class MethodSpec:
 
     @property
     def fsdp2_whole_state(self) -> bool:
-        """Under FSDP2 all of its state is whole-tensor state, placed on owner ranks: its dense
-        moments are not element-wise (8-bit blocks), so every weight steps whole, once, on its
-        owner (optimizers/_owners.py), which alone holds that weight's state. Read from the
-        class: the ``ELEMENTWISE`` attribute of a projected class's moment storage (``MOMENTS``)
-        or of the class itself; a class without one is element-wise (its full-size state shards
-        with the parameter; a projected matrix's low-rank state lives on its owner rank)."""
+        """Its dense moments are not element-wise (8-bit blocks, Adam-mini's per-block second
+        moments): under FSDP2 a weight steps whole, once, on its owner rank (optimizers/_owners.py),
+        which alone holds that weight's state, except where `steps_shards` allows its row shards.
+        Read from the class: the ``ELEMENTWISE`` attribute of a projected class's moment storage
+        (``MOMENTS``) or of the class itself; a class without one is element-wise (its full-size
+        state shards with the parameter; a projected matrix's low-rank state lives on its owner)."""
         owner = getattr(self.cls, "MOMENTS", self.cls)
         return not getattr(owner, "ELEMENTWISE", True)
+
+    def steps_shards(self, shape: tuple[int, ...], group: Mapping[str, Any]) -> bool:
+        """Under FSDP2, whether a weight of `shape` in `group` steps its row shards on every rank,
+        its state sharded like it (the same numbers as the whole step), rather than whole on an
+        owner rank: an element-wise rule, or moments whose blocks the rows do not split (the
+        moment storage's ``steps_shards``: 8-bit rows of whole 256-entry blocks)."""
+        if self.steps_whole(group):
+            return False
+        owner = getattr(self.cls, "MOMENTS", None)
+        if owner is not None and hasattr(owner, "steps_shards"):
+            return bool(owner.steps_shards(tuple(shape)))
+        return not self.fsdp2_whole_state
 
     @property
     def whole_matrix_steps(self) -> bool:
@@ -280,6 +292,17 @@ class MethodSpec:
         """Exact bytes of optimizer state one parameter of `shape`/`dtype` holds after >= 1 step."""
         fn = self.state_bytes_fn or self.cls.state_bytes
         return int(fn(tuple(shape), group, dtype))
+
+    def part_state_bytes(
+        self, shape: tuple[int, ...], part: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype
+    ) -> int:
+        """Exact bytes of state one rank holds for its row shard `part` of a weight of `shape` that
+        `steps_shards` (the class's ``part_state_bytes`` where the whole weight decides the format,
+        as 8-bit moments do; else the formula at the part's shape)."""
+        fn = None if self.state_bytes_fn else getattr(self.cls, "part_state_bytes", None)
+        if fn is not None:
+            return int(fn(tuple(shape), tuple(part), group, dtype))
+        return self.state_bytes(part, group, dtype)
 
     def shared_state_bytes(self, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
         """Bytes of state a parameter of `shape` refers to that are shared by all the optimizer's

@@ -183,6 +183,19 @@ class AdamMoments:
             else:
                 state[key] = torch.zeros(shape, dtype=p.dtype, device=p.device)
 
+    @classmethod
+    def steps_shards(cls, shape: tuple[int, ...]) -> bool:
+        """Whether a non-projected weight of `shape` steps its FSDP2 row shards on each rank (its
+        moments sharded like it, the same numbers as the whole step) rather than whole on an owner
+        rank: any weight for element-wise moments."""
+        return cls.ELEMENTWISE
+
+    @classmethod
+    def part_nbytes(cls, numel: int, part: int, dtype: torch.dtype, group: dict[str, Any]) -> int:
+        """Bytes of the moments a rank holds for `part` entries of a `numel`-entry weight that
+        `steps_shards` (its row shard)."""
+        return cls.nbytes(part, dtype, group)
+
     def update(
         self, state: dict[str, Any], x: torch.Tensor, group: dict[str, Any]
     ) -> tuple[torch.Tensor, float]:

@@ -109,6 +109,20 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor()
 
 
+def row_sharded_like(p: torch.Tensor, mine: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A DTensor of global `shape` laid out like DTensor `p` (FSDP2's dim-0 row shards: the same
+    rows on every rank, ``shape[0] == p.shape[0]``), whose local part is `mine` (this rank's rows,
+    contiguous). For per-row state that is not shaped like its weight (8-bit moments' scales)."""
+    from torch.distributed.tensor import DTensor
+
+    if shape[0] != p.shape[0] or mine.shape[0] != local(p).shape[0]:
+        raise ValueError(f"{tuple(shape)} state does not have the rows of its {tuple(p.shape)} parameter")
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(
+        mine, p.device_mesh, p.placements, run_check=False, shape=torch.Size(shape), stride=stride
+    )
+
+
 def write_whole_(t: torch.Tensor, new: torch.Tensor) -> None:
     """t <- new, where `new` is the whole tensor, identical on every rank; a DTensor `t` keeps only
     its own shard of it (no communication)."""

@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from optimizers._sharded import local, row_sharded_like
 from optimizers.galore import GaLoreAdamW
 from optimizers.projected_adam import EXP_AVG, EXP_AVG_SQ, STEP, AdamMoments, ProjectedAdam, adam_update
 
@@ -41,8 +42,9 @@ class BlockwiseMoments8bit(AdamMoments):
 
     A moment with fewer than ``min_8bit_size`` entries stays fp32 (as in bitsandbytes). State:
     ``exp_avg`` / ``exp_avg_sq`` (uint8) with ``exp_avg_absmax`` / ``exp_avg_sq_absmax`` (fp32,
-    ceil(L / 256) each), or the two fp32 moments. The blocks are not element-wise, so under FSDP2
-    dense weights step whole.
+    ceil(L / 256) each), or the two fp32 moments. The blocks are not element-wise: under FSDP2 a
+    dense weight steps whole on its owner rank, unless its rows are whole blocks (`steps_shards`):
+    then each rank steps and holds its own rows, with the scales shaped (rows, row entries / 256).
 
     Raises:
         ImportError: at construction, when bitsandbytes cannot be imported.
@@ -68,50 +70,67 @@ class BlockwiseMoments8bit(AdamMoments):
     def _is_8bit(numel: int, group: dict[str, Any]) -> bool:
         return numel >= int(group["min_8bit_size"])
 
+    @classmethod
+    def steps_shards(cls, shape: tuple[int, ...]) -> bool:
+        """Rows of whole blocks: a weight whose rows hold a multiple of 256 entries (a 4096-wide
+        embedding or head) is quantised in the same blocks whether it is whole or split into
+        FSDP2's row shards, and Adam is element-wise within a block, so each rank steps its own
+        rows (bitwise the whole step) and holds their codes and scales (``exp_avg_absmax`` shaped
+        ``(rows, row_entries / 256)``, sharded with the rows). Any other weight steps whole."""
+        return len(shape) >= 2 and math.prod(shape[1:]) % BLOCKSIZE == 0
+
+    def _zero_codes(self, device: torch.device) -> tuple[int, int]:
+        """The codes a zero moment quantises to (absmax 0) under the signed and unsigned maps."""
+        zero = torch.zeros(BLOCKSIZE, dtype=torch.float32, device=device)
+        return tuple(
+            int(self._bnb.quantize_blockwise(zero, code=qmap, blocksize=BLOCKSIZE)[0][0])
+            for qmap in self._maps(device)
+        )  # type: ignore[return-value]
+
     def init(
         self, state: dict[str, Any], p: torch.Tensor, shape: tuple[int, ...] | None, group: dict[str, Any]
     ) -> None:
-        shape = tuple(p.shape) if shape is None else shape
-        numel = math.prod(shape)
+        """Zero moments of `shape`, or for None this rank's rows of FSDP2-sharded `p` (a weight
+        that `steps_shards`), as DTensors sharded like it; 8-bit or fp32 by the whole size."""
+        numel = p.numel() if shape is None else math.prod(shape)
+        mine = tuple(local(p).shape) if shape is None else shape
+        device = local(p).device
         if not self._is_8bit(numel, group):
-            state[EXP_AVG] = torch.zeros(shape, dtype=torch.float32, device=p.device)
-            state[EXP_AVG_SQ] = torch.zeros(shape, dtype=torch.float32, device=p.device)
-            return
-        blocks = -(-numel // BLOCKSIZE)
-        q_signed, q_unsigned = self._maps(p.device)
-        # Zero moments quantise to the code nearest 0 with absmax 0: dequantise to exactly 0.
-        zero = torch.zeros(shape, dtype=torch.float32, device=p.device)
-        for key, absmax, qmap in (
-            (EXP_AVG, EXP_AVG_ABSMAX, q_signed),
-            (EXP_AVG_SQ, EXP_AVG_SQ_ABSMAX, q_unsigned),
-        ):
-            q, qs = self._bnb.quantize_blockwise(zero, code=qmap, blocksize=BLOCKSIZE)
-            state[key] = q
-            state[absmax] = qs.absmax.reshape(blocks).to(torch.float32)
+            tensors = {k: torch.zeros(mine, dtype=torch.float32, device=device) for k in (EXP_AVG, EXP_AVG_SQ)}
+        else:
+            # Zero moments quantise to the code nearest 0 with absmax 0 (dequantised: exactly 0).
+            scales = (mine[0], math.prod(mine[1:]) // BLOCKSIZE) if shape is None else (-(-numel // BLOCKSIZE),)
+            tensors = {}
+            for key, absmax, code in zip((EXP_AVG, EXP_AVG_SQ), (EXP_AVG_ABSMAX, EXP_AVG_SQ_ABSMAX), self._zero_codes(device)):
+                tensors[key] = torch.full(mine, code, dtype=torch.uint8, device=device)
+                tensors[absmax] = torch.zeros(scales, dtype=torch.float32, device=device)
+        for key, t in tensors.items():
+            if shape is not None:
+                state[key] = t
+            else:
+                state[key] = row_sharded_like(p, t, (p.shape[0], *t.shape[1:]))
 
     def update(
         self, state: dict[str, Any], x: torch.Tensor, group: dict[str, Any]
     ) -> tuple[torch.Tensor, float]:
-        m_q, v_q = state[EXP_AVG], state[EXP_AVG_SQ]
-        x32 = x.float()
+        """One Adam step of the moments (local rows, for a sharded state)."""
+        m_q, v_q = local(state[EXP_AVG]), local(state[EXP_AVG_SQ])
+        x32 = local(x).float()
         if m_q.dtype != torch.uint8:
             norm, step_size = adam_update(m_q, v_q, x32, state[STEP], group, self.fused)
             return norm.to(x.dtype), step_size
-        q_signed, q_unsigned = self._maps(x.device)
-        m = self._bnb.dequantize_blockwise(
-            m_q, absmax=state[EXP_AVG_ABSMAX], code=q_signed, blocksize=BLOCKSIZE
-        )
-        v = self._bnb.dequantize_blockwise(
-            v_q, absmax=state[EXP_AVG_SQ_ABSMAX], code=q_unsigned, blocksize=BLOCKSIZE
-        )
+        if not x32.numel():  # a rank without rows of this weight: nothing to quantise
+            norm, step_size = adam_update(x32.clone(), x32.clone(), x32, state[STEP], group, self.fused)
+            return norm.to(x.dtype), step_size
+        a_m, a_v = local(state[EXP_AVG_ABSMAX]), local(state[EXP_AVG_SQ_ABSMAX])
+        q_signed, q_unsigned = self._maps(x32.device)
+        m = self._bnb.dequantize_blockwise(m_q, absmax=a_m.reshape(-1), code=q_signed, blocksize=BLOCKSIZE)
+        v = self._bnb.dequantize_blockwise(v_q, absmax=a_v.reshape(-1), code=q_unsigned, blocksize=BLOCKSIZE)
         norm, step_size = adam_update(m, v, x32, state[STEP], group, self.fused)
-        for key, absmax, val, qmap in (
-            (EXP_AVG, EXP_AVG_ABSMAX, m, q_signed),
-            (EXP_AVG_SQ, EXP_AVG_SQ_ABSMAX, v, q_unsigned),
-        ):
+        for codes, absmax, val, qmap in ((m_q, a_m, m, q_signed), (v_q, a_v, v, q_unsigned)):
             q, qs = self._bnb.quantize_blockwise(val, code=qmap, blocksize=BLOCKSIZE)
-            state[key].copy_(q)
-            state[absmax].copy_(qs.absmax.reshape(-1))
+            codes.copy_(q)
+            absmax.copy_(qs.absmax.reshape(absmax.shape))
         return norm.to(x.dtype), step_size
 
     @classmethod
@@ -120,6 +139,14 @@ class BlockwiseMoments8bit(AdamMoments):
         if not cls._is_8bit(numel, group):
             return 2 * numel * torch.float32.itemsize
         return 2 * numel + 2 * (-(-numel // BLOCKSIZE)) * torch.float32.itemsize
+
+    @classmethod
+    def part_nbytes(cls, numel: int, part: int, dtype: torch.dtype, group: dict[str, Any]) -> int:
+        """A rank's rows of a weight that `steps_shards`: 8-bit or fp32 as the whole weight is
+        (``numel`` against ``min_8bit_size``), ``2 part + 8 ceil(part / 256)`` or ``8 part`` bytes."""
+        if not cls._is_8bit(numel, group):
+            return 2 * part * torch.float32.itemsize
+        return 2 * part + 2 * (-(-part // BLOCKSIZE)) * torch.float32.itemsize
 
 
 class GaLoreAdamW8bit(GaLoreAdamW):

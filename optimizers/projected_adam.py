@@ -334,8 +334,9 @@ class ProjectedAdam(OwnerPlaced, torch.optim.Optimizer):
     def _init_state(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], index: int) -> None:
         state[STEP] = 0
         if not group["project"]:
-            # FSDP2 with element-wise moments: sharded like the parameter, each rank steps its shard.
-            sharded = _is_dtensor(p) and self.moments.ELEMENTWISE
+            # FSDP2 where the moments allow (element-wise, or 8-bit rows of whole blocks): sharded
+            # like the parameter, each rank steps its shard.
+            sharded = _is_dtensor(p) and self.moments.steps_shards(tuple(p.shape))
             self.moments.init(state, p, None if sharded else tuple(p.shape), group)
             return
         side = self._side(p, group)
@@ -450,9 +451,10 @@ class ProjectedAdam(OwnerPlaced, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimisation step over all parameters that have a gradient (placed by
-        `OwnerPlaced._placed_step`: a projected weight, and any weight whose moments are not
-        element-wise, steps whole under FSDP2, on its owner rank or gathered on every rank so that
-        the basis, Fira's and APOLLO's norms and the 8-bit blocks are a single process's).
+        `OwnerPlaced._placed_step`: under FSDP2 a projected weight, and any weight whose moments
+        do not allow its row shards (`AdamMoments.steps_shards`), steps whole, on its owner rank or
+        gathered on every rank, so that the basis, Fira's and APOLLO's norms and the 8-bit blocks
+        are a single process's).
 
         Args:
             closure: re-evaluates the model and returns the loss (run with grad enabled).
@@ -462,7 +464,7 @@ class ProjectedAdam(OwnerPlaced, torch.optim.Optimizer):
         )
 
     def _steps_whole(self, group: dict[str, Any], p: torch.Tensor) -> bool:
-        return bool(group["project"]) or not self.moments.ELEMENTWISE
+        return bool(group["project"]) or not self.moments.steps_shards(tuple(p.shape))
 
     def _step_one(
         self, w: torch.Tensor, g: torch.Tensor, state: dict[str, Any], group: dict[str, Any], index: int
@@ -530,6 +532,15 @@ class ProjectedAdam(OwnerPlaced, torch.optim.Optimizer):
         extra = sum((dt or dtype).itemsize for dt in cls.EXTRA_STATE.values())
         basis = cls._basis_policy(g).nbytes(shape, g, side, dtype)
         return cls.MOMENTS.nbytes(math.prod(low), dtype, g) + basis + extra
+
+    @classmethod
+    def part_state_bytes(
+        cls, shape: tuple[int, ...], part: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype
+    ) -> int:
+        """Bytes of state a rank holds for its row shard `part` of a non-projected weight of
+        `shape` that steps its shards under FSDP2 (`AdamMoments.steps_shards`)."""
+        g = cls.resolve_group(group)
+        return cls.MOMENTS.part_nbytes(math.prod(shape), math.prod(part), dtype, g)
 
 
 __all__ = [

@@ -94,13 +94,13 @@ WORKER = textwrap.dedent(
     from effpretrain.trainer import train
 
     root, out, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
-    methods, common = json.loads(sys.argv[4]), sys.argv[5:]
-    for m in methods:
+    methods, common = json.loads(sys.argv[4]), sys.argv[5:]  # {method: its shardings}
+    for m, shardings in methods.items():
         recipe = root / "recipes" / "tiny" / f"{m}.yaml"
         if mode == "one":  # the ranks' micro-batches, one after the other
             train(load_config(recipe, common + ["train.batch_size=2", "train.grad_accum=2"]), out / f"{m}-1p")
             continue
-        for sharding in ("ddp", "fsdp2"):
+        for sharding in shardings:
             over = common + ["train.batch_size=2", f"dist.sharding={sharding}", "train.save_every=10"]
             train(load_config(recipe, over), out / f"{m}-{sharding}")
         step10 = out / f"{m}-fsdp2" / "checkpoints" / "step-10"  # resumed from a sharded checkpoint
@@ -116,7 +116,7 @@ def test_tied_qwen2_two_processes_equal_one(configs, tmp_path):
     optimizer state, the same weights as one process at the same global batch; the sharded
     checkpoint stores the matrix once and resumes exactly."""
     common = [*COMMON, f"model.config={configs['qwen2_tied']}"]
-    run_worker_pair(WORKER, tmp_path, [json.dumps(PARITY_METHODS), *common])
+    run_worker_pair(WORKER, tmp_path, [json.dumps({m: ["ddp", "fsdp2"] for m in PARITY_METHODS}), *common])
     for m in PARITY_METHODS:
         one = json.loads((tmp_path / f"{m}-1p" / "summary.json").read_text())
         for sharding in ("ddp", "fsdp2"):
@@ -134,6 +134,39 @@ def test_tied_qwen2_two_processes_equal_one(configs, tmp_path):
         assert (
             all(torch.equal(resumed[k], straight[k]) for k in straight) and resumed.keys() == straight.keys()
         )
+
+
+@pytest.mark.multiprocess
+def test_8bit_moments_of_whole_block_rows_step_their_fsdp2_shards(tmp_path):
+    """GaLore-8bit under FSDP2 on a model 256 wide: the embedding's and head's rows are whole
+    256-entry quantisation blocks, so each rank steps and holds its own rows' 8-bit moments instead
+    of one owner rank stepping the gathered matrix. Per-rank state equals the estimate exactly, the
+    largest rank holds about half of one process's state, the run follows one process (8-bit codes
+    amplify the ranks' other summation order, as in test_fsdp2's 8-bit cases) and a resume from the
+    sharded checkpoint (row-sharded codes and scales) is exact."""
+    wide = ModelShape(hidden=256, intermediate=512, heads=4, layers=2, kv_heads=2)
+    wide.hf_config(VOCAB, 128).save_pretrained(tmp_path / "wide")
+    common = [*COMMON, f"model.config={tmp_path / 'wide'}"]
+    run_worker_pair(WORKER, tmp_path, [json.dumps({"galore_8bit": ["fsdp2"]}), *common])
+    one = json.loads((tmp_path / "galore_8bit-1p" / "summary.json").read_text())
+    two = json.loads((tmp_path / "galore_8bit-fsdp2" / "summary.json").read_text())
+    assert abs(two["final_val_loss"] - one["final_val_loss"]) <= 1e-2 * one["final_val_loss"]
+    ranks = two["optimizer_state_bytes_per_rank"]
+    assert ranks == two["estimated"]["optimizer_state_per_rank"]
+    assert two["estimate_matches_measured"]["optimizer_state"]
+    # The embedding and head (512 x 256 each) are 8-bit on both sides: 2 x 2 x 131072 codes plus
+    # scales of one process's state, split in halves by rows rather than whole on owners.
+    assert sum(ranks) == one["optimizer_state_bytes"] and max(ranks) < 0.55 * one["optimizer_state_bytes"], ranks
+    # The sharded checkpoint holds those codes and scales as row shards (DTensors), not as one
+    # owner's whole tensors; the 1-D norms stay whole on their owners.
+    ckpt = tmp_path / "galore_8bit-fsdp2" / "checkpoints" / "step-20" / "trainer.pt"
+    state = torch.load(ckpt, weights_only=False)["optimizer_skeleton"]["state"]
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert state[name]["exp_avg"]["sharded"] and state[name]["exp_avg"]["shape"] == [VOCAB, 256]
+        assert state[name]["exp_avg_sq_absmax"]["sharded"] and state[name]["exp_avg_sq_absmax"]["shape"] == [VOCAB, 1]
+    assert not state["model.norm.weight"]["exp_avg"]["sharded"]
+    resumed, straight = final(tmp_path / "galore_8bit-fsdp2-resumed"), final(tmp_path / "galore_8bit-fsdp2")
+    assert resumed.keys() == straight.keys() and all(torch.equal(resumed[k], straight[k]) for k in straight)
 
 
 @pytest.mark.run

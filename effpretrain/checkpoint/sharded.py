@@ -10,7 +10,7 @@ tensor leaves are placeholders naming their DCP key, shape, strides and whether 
 sharded. Per-parameter optimizer state is keyed by the parameter's name
 (``optim/state/<name>/<key>``), not by torch's position index, and mapped back to this
 optimizer's indices on load. `load_sharded` allocates each tensor as it was (a DTensor laid out
-like its parameter, or a plain tensor with the saved strides), lets DCP fill it in place (each rank
+like its parameter's rows, or a plain tensor with the saved strides), lets DCP fill it in place (each rank
 reads only its shards) and hands the rebuilt state dict to the optimizer. `read_model_state` reads
 the model back whole in a single process (export, eval). On several machines the checkpoint
 folder must be on a file system every rank can reach.
@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from effpretrain.checkpoint.commit import unwrap_dcp
 from effpretrain.checkpoint.weights import load_model_weights, without_aliases
+from optimizers._sharded import row_sharded_like
 
 _PLACEHOLDER = "__dcp__"
 
@@ -194,10 +195,12 @@ def load_sharded(
     for ph in _placeholders(skeleton):
         key, dtype = ph[_PLACEHOLDER], getattr(torch, ph["dtype"])
         if ph["sharded"]:
+            # Sharded like its parameter: its shape, or its rows (8-bit moments' per-row scales).
             p = params.get(key.split("/")[2])  # optim/state/<param name>/<state key>
-            if not isinstance(p, DTensor) or list(p.shape) != ph["shape"]:
+            if not isinstance(p, DTensor) or not ph["shape"] or ph["shape"][0] != p.shape[0]:
                 raise ValueError(f"sharded state {key} {ph['shape']} does not fit its parameter")
-            tensors[key] = torch.zeros_like(p, dtype=dtype)
+            mine = (p.to_local().shape[0], *ph["shape"][1:])
+            tensors[key] = row_sharded_like(p, torch.zeros(mine, dtype=dtype, device=p.to_local().device), ph["shape"])
         else:
             tensors[key] = torch.empty_strided(ph["shape"], ph["stride"], dtype=dtype)
     state = {"model": without_aliases(model.state_dict()), "optim": tensors}

@@ -40,8 +40,9 @@ The parameter shapes are those of the preset's LlamaForCausalLM built on PyTorch
 ``bf16-mixed`` (fp32 weights/grads/states, bf16 activations); ``bf16-pure`` (weights, grads and
 states in bf16, the paper's setting).
 Under FSDP2 weights, grads and element-wise states are sharded over ranks, while a projected
-matrix's low-rank moments and basis, and all the state of the 8-bit methods (adamw_8bit,
-galore_8bit: `MethodSpec.fsdp2_whole_state`) and a whole-matrix method's matrix weights' state
+matrix's low-rank moments and basis, the state of the 8-bit methods (adamw_8bit, galore_8bit:
+`MethodSpec.fsdp2_whole_state`; galore_8bit's weights whose rows are whole 256-entry blocks are the
+exception, sharded by rows: `MethodSpec.steps_shards`) and a whole-matrix method's matrix weights' state
 (Muon's momentum, SCALE's embedding: `MethodSpec.steps_whole`), are whole-tensor state held by one owner rank per
 parameter, placed as the optimizers place it (`optimizers.assign_owners`, optimizers/_owners.py);
 under DDP every rank holds all. Weights and gradients are rank 0's, the largest share (torch.chunk

@@ -288,7 +288,7 @@ def _param_tally(
     optim_cfg = o.optim_cfg or OptimConfig(name=method)
     mspec = optimizers.method_spec(method)
     shard = o.world_size if o.sharding == "fsdp2" else 1
-    t = _Tally(mspec, prec.params, shard, whole_state=shard > 1 and mspec.fsdp2_whole_state)
+    t = _Tally(mspec, prec.params, shard)
     t.low_rank_acc = shard == 1 and o.grad_clip <= 0
     t.refresh_ahead = t.low_rank_acc and o.in_backward_refresh == "first_micro"
     _tally_params(

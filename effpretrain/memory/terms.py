@@ -84,7 +84,6 @@ class _Tally:
     method: optimizers.MethodSpec
     dtype: torch.dtype
     shard: int  # ranks a tensor is split over (1: whole)
-    whole_state: bool  # the method keeps all its state whole on every rank (FSDP2)
     weights: int = 0
     grads: int = 0
     state: int = 0  # set by `finish`: the largest rank's state, shared state included once
@@ -139,8 +138,9 @@ class _Tally:
         if self.unit is not None:
             self.block_grads[self.unit] = self.block_grads.get(self.unit, 0) + self.stored(shape)
         group = group or {}
-        # Projected and whole-matrix weights (`MethodSpec.steps_whole`) step whole, on an owner.
-        whole = self.method.steps_whole(group) or self.whole_state
+        # Projected and whole-matrix weights, and those whose moments' blocks a row split would
+        # cut (`MethodSpec.steps_shards`), step whole, on an owner.
+        whole = not self.method.steps_shards(shape, group)
         owned = whole and self.shard > 1
         if owned:
             self.owned.append(
@@ -154,7 +154,10 @@ class _Tally:
         else:
             parts = self.chunks(shape) if self.shard > 1 else [shape]
             for i, part in enumerate(parts):
-                self.state_ranks[i] += self.method.state_bytes(part, group, self.dtype)
+                if self.shard > 1:
+                    self.state_ranks[i] += self.method.part_state_bytes(shape, part, group, self.dtype)
+                else:
+                    self.state_ranks[i] += self.method.state_bytes(shape, group, self.dtype)
                 self.shared_ranks[i] = max(
                     self.shared_ranks[i], self.method.shared_state_bytes(part, group, self.dtype)
                 )
