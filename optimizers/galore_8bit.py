@@ -96,12 +96,18 @@ class BlockwiseMoments8bit(AdamMoments):
         mine = tuple(local(p).shape) if shape is None else shape
         device = local(p).device
         if not self._is_8bit(numel, group):
-            tensors = {k: torch.zeros(mine, dtype=torch.float32, device=device) for k in (EXP_AVG, EXP_AVG_SQ)}
+            tensors = {
+                k: torch.zeros(mine, dtype=torch.float32, device=device) for k in (EXP_AVG, EXP_AVG_SQ)
+            }
         else:
             # Zero moments quantise to the code nearest 0 with absmax 0 (dequantised: exactly 0).
-            scales = (mine[0], math.prod(mine[1:]) // BLOCKSIZE) if shape is None else (-(-numel // BLOCKSIZE),)
+            scales = (
+                (mine[0], math.prod(mine[1:]) // BLOCKSIZE) if shape is None else (-(-numel // BLOCKSIZE),)
+            )
             tensors = {}
-            for key, absmax, code in zip((EXP_AVG, EXP_AVG_SQ), (EXP_AVG_ABSMAX, EXP_AVG_SQ_ABSMAX), self._zero_codes(device)):
+            for key, absmax, code in zip(
+                (EXP_AVG, EXP_AVG_SQ), (EXP_AVG_ABSMAX, EXP_AVG_SQ_ABSMAX), self._zero_codes(device)
+            ):
                 tensors[key] = torch.full(mine, code, dtype=torch.uint8, device=device)
                 tensors[absmax] = torch.zeros(scales, dtype=torch.float32, device=device)
         for key, t in tensors.items():

@@ -156,14 +156,19 @@ def test_8bit_moments_of_whole_block_rows_step_their_fsdp2_shards(tmp_path):
     assert two["estimate_matches_measured"]["optimizer_state"]
     # The embedding and head (512 x 256 each) are 8-bit on both sides: 2 x 2 x 131072 codes plus
     # scales of one process's state, split in halves by rows rather than whole on owners.
-    assert sum(ranks) == one["optimizer_state_bytes"] and max(ranks) < 0.55 * one["optimizer_state_bytes"], ranks
+    assert sum(ranks) == one["optimizer_state_bytes"] and max(ranks) < 0.55 * one["optimizer_state_bytes"], (
+        ranks
+    )
     # The sharded checkpoint holds those codes and scales as row shards (DTensors), not as one
     # owner's whole tensors; the 1-D norms stay whole on their owners.
     ckpt = tmp_path / "galore_8bit-fsdp2" / "checkpoints" / "step-20" / "trainer.pt"
     state = torch.load(ckpt, weights_only=False)["optimizer_skeleton"]["state"]
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         assert state[name]["exp_avg"]["sharded"] and state[name]["exp_avg"]["shape"] == [VOCAB, 256]
-        assert state[name]["exp_avg_sq_absmax"]["sharded"] and state[name]["exp_avg_sq_absmax"]["shape"] == [VOCAB, 1]
+        assert state[name]["exp_avg_sq_absmax"]["sharded"] and state[name]["exp_avg_sq_absmax"]["shape"] == [
+            VOCAB,
+            1,
+        ]
     assert not state["model.norm.weight"]["exp_avg"]["sharded"]
     resumed, straight = final(tmp_path / "galore_8bit-fsdp2-resumed"), final(tmp_path / "galore_8bit-fsdp2")
     assert resumed.keys() == straight.keys() and all(torch.equal(resumed[k], straight[k]) for k in straight)

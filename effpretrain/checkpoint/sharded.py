@@ -200,7 +200,9 @@ def load_sharded(
             if not isinstance(p, DTensor) or not ph["shape"] or ph["shape"][0] != p.shape[0]:
                 raise ValueError(f"sharded state {key} {ph['shape']} does not fit its parameter")
             mine = (p.to_local().shape[0], *ph["shape"][1:])
-            tensors[key] = row_sharded_like(p, torch.zeros(mine, dtype=dtype, device=p.to_local().device), ph["shape"])
+            tensors[key] = row_sharded_like(
+                p, torch.zeros(mine, dtype=dtype, device=p.to_local().device), ph["shape"]
+            )
         else:
             tensors[key] = torch.empty_strided(ph["shape"], ph["stride"], dtype=dtype)
     state = {"model": without_aliases(model.state_dict()), "optim": tensors}

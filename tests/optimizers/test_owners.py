@@ -264,7 +264,9 @@ def report(request, tmp_path_factory):
 def test_owner_steps_equal_one_process_bitwise(name, report):
     world, rep = report
     r = rep[name]
-    for whole, shape, equal, rel in zip(r["whole_step"], r["shapes"], r["equal_to_one_process"], r["rel_diff"]):
+    for whole, shape, equal, rel in zip(
+        r["whole_step"], r["shapes"], r["equal_to_one_process"], r["rel_diff"]
+    ):
         # Shards of whole 256-entry rows (GaLore-8bit steps them in place) split where the whole
         # tensor's blocks and vector lanes do.
         if whole or world == 2 or (len(shape) == 2 and shape[1] % 256 == 0):
