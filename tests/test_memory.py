@@ -644,16 +644,51 @@ def test_estimate_command_shows_the_in_backward_mode(capsys):
 
 def test_fsdp2_peak_per_rank():
     """Under FSDP2 a whole-stepped matrix's state and step temporaries live on its owner rank, so
-    the ranks' peaks differ (llama3_8b, 8-bit GaLore in backward on 8 ranks: the owners of the
-    128k-row embedding and head step them whole); the estimate's peak is the largest of them, and
-    the table prints every rank's."""
+    the ranks' peaks differ (Qwen2.5-0.5B, 8-bit GaLore in backward on 8 ranks: the owner of the
+    896-wide tied embedding, whose rows are not whole 256-entry blocks, steps it whole); the
+    estimate's peak is the largest of them, and the table prints every rank's."""
     from effpretrain.memory import format_table
 
     kw = dict(dtype="bf16-pure", batch_size=1, seq_len=2048, activation_checkpointing=1, world_size=8)
-    est = estimate("llama3_8b", "galore_8bit", sharding="fsdp2", update_in_backward=True, grad_clip=0.0, **kw)
+    est = estimate(
+        "qwen2.5_0.5b", "galore_8bit", sharding="fsdp2", update_in_backward=True, grad_clip=0.0, **kw
+    )
     ranks = est.detail["peak_per_rank"]
-    assert len(ranks) == 8 and max(ranks) == est.peak and min(ranks) < max(ranks)
+    assert len(ranks) == 8 and max(ranks) == est.peak and min(ranks) < 0.95 * max(ranks)
     assert all(f"rank {r}" in format_table(est) for r in range(8))
     # A run whose ranks hold the same (element-wise state, sharded): one figure for all.
     even = estimate("llama3_8b", "adamw", sharding="fsdp2", **kw)
     assert even.detail["peak_per_rank"] == [even.peak] * 8 and "rank 0" not in format_table(even)
+
+
+def test_7b_on_one_24gb_gpu_and_8b_under_8gb_per_rank():
+    """The budgets the large presets are built for, as the estimator states them: a LLaMA-7B step
+    with 8-bit GaLore and per-layer updates at token batch 256 (GaLore's headline) fits 24 GB, also
+    accumulating 4 micro-batches at rank 512 with the refresh on the first one's gradient; BF16
+    AdamW needs more than twice that; Llama-3-8B on 8 FSDP2 ranks (activation checkpointing, 2048
+    tokens, standard loss) fits 8 GB on every rank, the 128k x 4096 embedding and head stepped by
+    rows on every rank (whole 256-entry blocks), not whole on two owners."""
+    from effpretrain.config import OptimConfig
+
+    seven = dict(dtype="bf16-pure", batch_size=1, seq_len=256)
+    inb = dict(update_in_backward=True, grad_clip=0.0)
+    galore = estimate(
+        "llama_7b", "galore_8bit", optim_cfg=OptimConfig(name="galore_8bit", rank=1024), **inb, **seven
+    )
+    assert galore.peak <= 24e9
+    assert estimate("llama_7b", "adamw", **seven).peak >= 2 * 24e9
+    accum = estimate(
+        "llama_7b",
+        "galore_8bit",
+        optim_cfg=OptimConfig(name="galore_8bit", rank=512),
+        grad_accum=4,
+        in_backward_refresh="first_micro",
+        **inb,
+        **seven,
+    )
+    assert accum.peak <= 24e9
+    kw = dict(dtype="bf16-pure", batch_size=1, seq_len=2048, activation_checkpointing=1, world_size=8)
+    eight = estimate("llama3_8b", "galore_8bit", sharding="fsdp2", loss="standard", **inb, **kw)
+    ranks = eight.detail["peak_per_rank"]
+    assert len(ranks) == 8 and max(ranks) <= 8e9
+    assert min(ranks) > 0.999 * max(ranks)  # no owner rank carries the embedding's or head's step
