@@ -3,8 +3,8 @@
 Some optimizer steps need a parameter's whole matrix, which FSDP2 splits by rows over the ranks:
 a projection basis is computed from the whole gradient, Fira's and APOLLO's norms are over the
 whole matrix, 8-bit moments are quantised in blocks of the flattened tensor (unless each row
-is whole blocks: `BlockwiseMoments8bit.steps_shards`), and an orthogonalisation (Muon, SWAN) acts on the whole matrix. Gathering every such matrix on every
-rank (the "gather" path) repeats the same math N times and keeps the state whole on every rank,
+is whole blocks: `BlockwiseMoments8bit.steps_shards`), and an orthogonalisation (Muon, SWAN)
+acts on the whole matrix. Gathering every such matrix on every rank (the "gather" path) repeats the same math N times and keeps the state whole on every rank,
 so per-rank optimizer memory stops shrinking with N. Here each such parameter has one owner rank
 instead:
 

@@ -62,6 +62,10 @@ class AdamW8bit(OwnerPlaced, bnb.optim.AdamW8bit):
     """Block-wise 8-bit moments are not element-wise: under FSDP2 every weight steps whole, on its
     owner rank, which alone holds its state (the registry's ``fsdp2_whole_state`` reads this)."""
 
+    RESET_KEYS: ClassVar[tuple[str, ...]] = ("step", "state1", "state2", "absmax1", "absmax2")
+    """A momentum reset zeroes the codes and their scales (a zero scale reads exactly 0), not the
+    shared quantile maps (`optimizers.momentum_reset`)."""
+
     def __init__(
         self,
         params: Any,

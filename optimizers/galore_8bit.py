@@ -201,6 +201,9 @@ class GaLoreAdamW8bit(GaLoreAdamW):
         "adam_convention": "torch",
         "min_8bit_size": 4096,
     }
+    RESET_KEYS: ClassVar[tuple[str, ...]] = (STEP, EXP_AVG, EXP_AVG_SQ, EXP_AVG_ABSMAX, EXP_AVG_SQ_ABSMAX)
+    """A momentum reset zeroes the codes and their scales: a zero scale reads exactly 0, where
+    code 0 alone is -0.99 of its block's scale under the signed map (`optimizers.momentum_reset`)."""
     MOMENTS: ClassVar[type[AdamMoments]] = BlockwiseMoments8bit
 
 

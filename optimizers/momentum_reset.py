@@ -16,7 +16,10 @@ LoRA factors at each merge) and leave the step counter alone.
 
 Works on any optimizer whose state uses torch's names: torch.optim.Adam/AdamW (`step` is a float
 tensor, zeroed in place; `max_exp_avg_sq` with amsgrad) and this package's optimizers (`step` is a
-python int, set to 0; projection optimizers keep low-rank `exp_avg`/`exp_avg_sq`). Entries not named
+python int, set to 0; projection optimizers keep low-rank `exp_avg`/`exp_avg_sq`); a class whose
+moments live under other names declares them in ``RESET_KEYS`` (`reset_keys`): Muon's
+``momentum_buffer``, and the 8-bit optimizers' codes with their per-block scales, zeroed together
+(code 0 of the signed map is -0.99, so zeroed codes under a kept scale would not read 0). Entries not named
 in `keys` (projection `basis`, `seed`, `refresh` counters, ...) are never touched, so an optimizer
 whose basis-refresh schedule must survive a reset has to count it in its own key, not in `step`.
 Accepts wrappers that hold the real optimizer in `.optimizer` (Accelerate's AcceleratedOptimizer,
@@ -31,11 +34,19 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["MOMENT_KEYS", "RESET_KEYS", "prune_", "reset_", "unwrap_optimizer"]
+__all__ = ["MOMENT_KEYS", "RESET_KEYS", "prune_", "reset_", "reset_keys", "unwrap_optimizer"]
 
 # Adam-family moment tensors under torch's names (max_exp_avg_sq: AMSGrad's running max of v).
 MOMENT_KEYS: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 RESET_KEYS: tuple[str, ...] = ("step", *MOMENT_KEYS)
+
+
+def reset_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
+    """The state keys whose zeroing is `optimizer`'s momentum reset: its class's ``RESET_KEYS``
+    where it declares one (state under other names: Muon's ``momentum_buffer``, the 8-bit
+    moments' codes with their scales, zeroed together so that they read exactly 0), else torch's
+    Adam names (`RESET_KEYS`)."""
+    return tuple(getattr(type(unwrap_optimizer(optimizer)), "RESET_KEYS", RESET_KEYS))
 
 
 def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -68,7 +79,7 @@ def _selected_states(optimizer: torch.optim.Optimizer, params: Iterable[Tensor] 
 def reset_(
     optimizer: torch.optim.Optimizer,
     params: Iterable[Tensor] | None = None,
-    keys: Sequence[str] = RESET_KEYS,
+    keys: Sequence[str] | None = None,
 ) -> int:
     """Zeroes the named state entries of `params` in place (momentum reset).
 
@@ -79,8 +90,9 @@ def reset_(
         optimizer: a torch.optim.Optimizer, or a wrapper with the real one in `.optimizer`.
         params: the parameters whose state to reset; all of the optimizer's by default. Parameters
             without state yet (never stepped) are skipped.
-        keys: state keys to reset. The default covers torch's Adam/AdamW (with amsgrad) and this
-            package's Adam-style optimizers: ``("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")``.
+        keys: state keys to reset; None: the optimizer's own (`reset_keys`: torch's Adam/AdamW with
+            amsgrad and this package's Adam-style optimizers ``("step", "exp_avg", "exp_avg_sq",
+            "max_exp_avg_sq")``, plus what a class declares in ``RESET_KEYS``).
 
     Returns:
         The number of state entries reset (tensors zeroed plus integer counters set to 0).
@@ -88,6 +100,7 @@ def reset_(
     Raises:
         ValueError: if a given parameter is not in any of the optimizer's param groups.
     """
+    keys = reset_keys(optimizer) if keys is None else keys
     count = 0
     for st in _selected_states(optimizer, params):
         for key in keys:
@@ -134,6 +147,10 @@ def prune_(
             value = st.get(key)
             if not torch.is_tensor(value) or value.numel() == 0:
                 continue
+            if not value.is_floating_point():
+                raise TypeError(
+                    f"cannot prune {key!r}: {value.dtype} codes (quantised moments) have no magnitude order"
+                )
             numel = value.numel()
             # The epsilon keeps e.g. 0.999 * 1000 from flooring to 998.
             n_keep = numel - math.floor(ratio * numel + 1e-9)

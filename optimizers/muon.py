@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import torch
 
 from optimizers._matrix import MatrixOptimizer, newton_schulz_orthogonalise
+from optimizers.momentum_reset import RESET_KEYS
 
 MOMENTUM_BUFFER = "momentum_buffer"
 """B, Muon's momentum (torch.optim.Muon's key)."""
@@ -53,6 +54,9 @@ class Muon(MatrixOptimizer):
     AdamW's ``exp_avg``, ``exp_avg_sq`` for the other parameters. Exact bytes, s the itemsize:
     ``s A B`` per matrix weight, ``2 s numel`` per other parameter (`state_bytes`).
     """
+
+    RESET_KEYS: ClassVar[tuple[str, ...]] = (*RESET_KEYS, MOMENTUM_BUFFER)
+    """A momentum reset zeroes the matrices' momentum B too (`optimizers.momentum_reset`)."""
 
     MATRIX_DEFAULTS: ClassVar[dict[str, Any]] = {
         "momentum": 0.95,

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from optimizers.momentum_reset import RESET_KEYS, reset_
+from optimizers.momentum_reset import reset_
 from optimizers.refactorization import refactorize_
 
 __all__ = ["Restarts", "recovery_factor"]
@@ -103,7 +103,8 @@ class Restarts(torch.optim.Optimizer):
         reset_momentum: zero the state named by `reset_keys` at each restart.
         hooks: zero-arg callables run at each restart before refactorization and reset (e.g.
             `lambda: relora_merge_(model)`).
-        reset_keys: state keys reset by the momentum reset (default: step and Adam's moments).
+        reset_keys: state keys reset by the momentum reset (None: the optimizer's own,
+            `optimizers.momentum_reset.reset_keys`).
         start: updates before the first period begins: restarts fire right after update
             start + k every (k >= 1), none earlier (ReLoRA's full-rank warm start of `start` steps).
 
@@ -121,7 +122,7 @@ class Restarts(torch.optim.Optimizer):
         refactorize: bool = True,
         reset_momentum: bool = True,
         hooks: Iterable[Callable[[], Any]] = (),
-        reset_keys: Sequence[str] = RESET_KEYS,
+        reset_keys: Sequence[str] | None = None,
         start: int = 0,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -137,7 +138,7 @@ class Restarts(torch.optim.Optimizer):
         self.refactorize = refactorize
         self.reset_momentum = reset_momentum
         self.hooks = list(hooks)
-        self.reset_keys = tuple(reset_keys)
+        self.reset_keys = None if reset_keys is None else tuple(reset_keys)
         self.start = start
         self.num_steps = 0
         self.num_restarts = 0
