@@ -59,8 +59,9 @@ Several processes (the trainer sets these up; `Trainer._set_up_in_backward`):
   the accumulators are shards (1/N of a full one) instead of FSDP2's unsharded accumulated
   gradients (no reduce-scatter until the last micro-step); the price is K reduce-scatters per
   step instead of one. Sharded matrices keep full (sharded) accumulators, never low-rank ones: the
-  basis lives whole on one owner rank. Element-wise methods step their local shard; whole-matrix
-  ones (projection, 8-bit, Adam-mini) step one parameter at a time through the owner ranks
+  basis lives whole on one owner rank. Element-wise methods (and GaLore-8bit's rows of whole
+  blocks) step their local shard; whole-matrix ones (projection, 8-bit, Adam-mini) step one
+  parameter at a time through the owner ranks
   (optimizers/_owners.py), collectives that every rank enters for the same parameter in the same
   order (FSDP2 runs the hooks in its fixed parameter order). Each shard's squared norm is summed
   over the ranks in its hook (one scalar all-reduce), so every rank sees the whole gradient's

@@ -190,6 +190,11 @@ class AdamMoments:
         rank: any weight for element-wise moments."""
         return cls.ELEMENTWISE
 
+    def adopt_whole(self, state: dict[str, Any], p: torch.Tensor) -> None:
+        """Makes moments loaded whole for FSDP2-sharded `p`, which `steps_shards`, this rank's rows
+        (a checkpoint written while such a weight stepped whole on an owner rank). Element-wise
+        moments were always saved sharded: nothing to do."""
+
     @classmethod
     def part_nbytes(cls, numel: int, part: int, dtype: torch.dtype, group: dict[str, Any]) -> int:
         """Bytes of the moments a rank holds for `part` entries of a `numel`-entry weight that

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from optimizers._sharded import local, row_sharded_like
+from optimizers._sharded import is_dtensor, local, row_sharded_like
 from optimizers.galore import GaLoreAdamW
 from optimizers.projected_adam import EXP_AVG, EXP_AVG_SQ, STEP, AdamMoments, ProjectedAdam, adam_update
 
@@ -56,6 +56,7 @@ class BlockwiseMoments8bit(AdamMoments):
         super().__init__(fused)
         self._bnb = _bnb_functional()
         self._qmaps: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._zeros: dict[torch.device, tuple[int, int]] = {}
 
     def _maps(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """bitsandbytes' signed (for M) and unsigned (for V) dynamic maps on `device`, cached."""
@@ -81,11 +82,27 @@ class BlockwiseMoments8bit(AdamMoments):
 
     def _zero_codes(self, device: torch.device) -> tuple[int, int]:
         """The codes a zero moment quantises to (absmax 0) under the signed and unsigned maps."""
-        zero = torch.zeros(BLOCKSIZE, dtype=torch.float32, device=device)
-        return tuple(
-            int(self._bnb.quantize_blockwise(zero, code=qmap, blocksize=BLOCKSIZE)[0][0])
-            for qmap in self._maps(device)
-        )  # type: ignore[return-value]
+        if device not in self._zeros:
+            zero = torch.zeros(BLOCKSIZE, dtype=torch.float32, device=device)
+            self._zeros[device] = tuple(  # type: ignore[assignment]
+                int(self._bnb.quantize_blockwise(zero, code=qmap, blocksize=BLOCKSIZE)[0][0])
+                for qmap in self._maps(device)
+            )
+        return self._zeros[device]
+
+    def adopt_whole(self, state: dict[str, Any], p: torch.Tensor) -> None:
+        """Moments and scales loaded whole (plain tensors, the scales flat) become this rank's rows
+        of them, laid out as `init` lays them out; no communication (each rank keeps its chunk)."""
+        from torch.distributed.tensor import distribute_tensor
+
+        for key in (EXP_AVG, EXP_AVG_SQ, EXP_AVG_ABSMAX, EXP_AVG_SQ_ABSMAX):
+            v = state.get(key)
+            if v is None or is_dtensor(v):
+                continue
+            rows = v if v.shape == p.shape else v.reshape(p.shape[0], -1)  # scales: per row
+            state[key] = distribute_tensor(
+                rows.to(local(p).device), p.device_mesh, p.placements, src_data_rank=None
+            )
 
     def init(
         self, state: dict[str, Any], p: torch.Tensor, shape: tuple[int, ...] | None, group: dict[str, Any]
@@ -181,7 +198,8 @@ class GaLoreAdamW8bit(GaLoreAdamW):
 
     State per parameter: ``step``, ``exp_avg`` / ``exp_avg_sq`` (uint8, the low-rank shape for
     projected params) with ``exp_avg_absmax`` / ``exp_avg_sq_absmax`` (fp32, ceil(numel / 256)
-    each), and for projected params ``basis`` (parameter dtype), ``refresh``, ``seed``.
+    each; shaped (rows, row entries / 256) and row-sharded for an FSDP2 weight that
+    `BlockwiseMoments8bit.steps_shards`), and for projected params ``basis`` (parameter dtype), ``refresh``, ``seed``.
     Memory, with L the moment entry count (m k right side, k n left side, m n not projected;
     k = min(r, m, n)), s the parameter itemsize and B the basis entry count (k n right, m k left):
 

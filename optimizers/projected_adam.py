@@ -74,9 +74,9 @@ basis is computed, its counter t does not advance, the weight is not touched. Th
 host synchronisation per step for all parameters together.
 
 FSDP2 (parameters and gradients are DTensors sharded across ranks): non-projected parameters
-run AdamW on their local shards (moments sharded like the parameter) when the moment storage is
-element-wise. A projected parameter's step (and, for moments that are not element-wise, a dense
-one) runs on the whole matrix, once, on the parameter's owner rank (``whole_matrix="owner"``, the
+run AdamW on their local shards (moments sharded like the parameter) when the moment storage
+allows it (`AdamMoments.steps_shards`: element-wise moments, or 8-bit rows of whole blocks). A
+projected parameter's step (and any other dense one) runs on the whole matrix, once, on the parameter's owner rank (``whole_matrix="owner"``, the
 default; optimizers/_owners.py): the owner receives the row shards of G and W, computes the basis
 and the update exactly as a single process would (Fira's and APOLLO's norms over the whole
 matrix), keeps that parameter's state (other ranks hold none for it) and sends every rank its rows
@@ -499,6 +499,10 @@ class ProjectedAdam(OwnerPlaced, torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         for p, k, v in keep:
             self.state[p][k] = v.to(device=p.device)
+        for g in self.param_groups:  # a weight that stepped whole when the checkpoint was written
+            for p in g["params"]:
+                if self.state.get(p) and not g["project"] and _is_dtensor(p) and not self._steps_whole(g, p):
+                    self.moments.adopt_whole(self.state[p], p)
 
     # ------------------------------------------------------------------ memory
 

@@ -3,8 +3,8 @@
 `save_sharded` writes the model's and the optimizer's tensors into ``step-N/dcp/`` with every rank
 writing only its own shards (one ``__<rank>_0.distcp`` file each, plus rank 0's ``.metadata``), so
 no rank ever holds a full model or optimizer state; state that lives whole on one owner rank
-(projected low-rank state, the 8-bit methods' state: optimizers/_owners.py) is written by its
-owner, and state replicated on every rank (scalars) is written once. What is not a tensor (step
+(projected low-rank state, most of the 8-bit methods' state: optimizers/_owners.py) is written
+by its owner, and state replicated on every rank (scalars) is written once. What is not a tensor (step
 counters, param groups, the restart counters) goes into ``trainer.pt`` as a "skeleton" whose
 tensor leaves are placeholders naming their DCP key, shape, strides and whether they were
 sharded. Per-parameter optimizer state is keyed by the parameter's name
