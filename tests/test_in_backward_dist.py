@@ -135,6 +135,16 @@ def _tolerance(method: str, summary: dict) -> float:
     return 2e-4 if summary.get("opt/restarts") else 1e-5
 
 
+def _norm_tolerance(method: str) -> float:
+    """The logged gradient norms: 1e-5 relative, or 1e-4 for a method whose state is kept per
+    block (`fsdp2_whole_state`): its weights differ by up to `_tolerance` (code steps), and the
+    next gradients with them (adamw_8bit, its moments restarted from zero by a momentum reset every
+    7 steps: 3e-5 at step 10, measured)."""
+    if method in optimizers.METHODS and optimizers.method_spec(method).fsdp2_whole_state:
+        return 1e-4
+    return 1e-5
+
+
 @pytest.mark.parametrize(("method", "clip", "mode"), _cases())
 def test_two_processes_equal_one_process_with_updates_in_backward(method, clip, mode, runs):
     one_dir, two_dir = runs / f"{method}-{clip}-1p", runs / f"{method}-{clip}-{mode}"
@@ -149,7 +159,8 @@ def test_two_processes_equal_one_process_with_updates_in_backward(method, clip, 
         # (Without clipping one process keeps GaLore's low-rank accumulators and logs the norm of
         # back(R) + G_K; FSDP2's shards keep full ones and log the whole gradient's: documented.
         # With clipping every accumulator is full, and the norms agree in every mode.)
-        assert all(abs(b[s] - a[s]) <= 1e-5 * a[s] for s in a), (b, a)
+        tol = _norm_tolerance(method)
+        assert all(abs(b[s] - a[s]) <= tol * a[s] for s in a), (b, a)
     if clip == "clip":
         assert min(a.values()) > 2 * float(CLIPS["clip"])  # clipping bites at every logged step
     assert abs(two["final_val_loss"] - one["final_val_loss"]) <= 1e-5 * abs(one["final_val_loss"])
