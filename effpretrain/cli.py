@@ -338,9 +338,12 @@ def main(argv: list[str] | None = None) -> int:
     # record; a failure reaches the user as effpretrain's own one-line error instead.
     logging.getLogger("c10d-NullHandler-dcp_logger").setLevel(logging.CRITICAL)
     args = _parser().parse_args(argv)
+    finished = False
     try:
         commands = {"train": cmd_train, "estimate": cmd_estimate, "eval": cmd_eval, "export": cmd_export}
-        return {**commands, "prepare": cmd_prepare}[args.cmd](args)
+        rc = {**commands, "prepare": cmd_prepare}[args.cmd](args)
+        finished = True
+        return rc
     except ConfigError as e:
         print(f"effpretrain: error: {e}", file=sys.stderr)
         return 2
@@ -348,15 +351,21 @@ def main(argv: list[str] | None = None) -> int:
         print("effpretrain: interrupted", file=sys.stderr)
         return 130
     finally:
-        _end_process_group()
+        _end_process_group(together=finished)
 
 
-def _end_process_group() -> None:
+def _end_process_group(together: bool) -> None:
     """Tears down this process's torch.distributed group before the interpreter exits (torch asks
-    for it: a gloo group left to the exit's destructors can abort the process after a finished run)."""
+    for it: a gloo group left to the exit's destructors can abort the process after a finished run).
+    After a finished command the ranks first meet in a barrier, so that none closes its gloo
+    connections while a peer still has a message in flight on them (a rank then aborted at exit,
+    "terminate called without an active exception", now and then on a loaded machine); after an
+    error no barrier, which a rank that failed alone would never reach."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        if together:
+            dist.barrier()
         dist.destroy_process_group()
 
 
