@@ -330,14 +330,20 @@ def loss_bytes(
     act_dtype: torch.dtype = torch.float32,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     targets: int | None = None,
+    param_dtype: torch.dtype = torch.float32,
 ) -> dict[str, int]:
     """Bytes the loss itself holds over one forward and backward (what `measure_loss_bytes`
-    measures): H (N, h) and W (V, h) are fp32 (the final norm's output and the head weight of an
-    fp32 or bf16-mixed run), the product runs in `act_dtype` (e bytes an element).
+    measures): H (N, h) and W (V, h) are `param_dtype` (the final norm's output and the head
+    weight: fp32 in an fp32 or bf16-mixed run, bf16 in a bf16-pure one), the product runs in
+    `act_dtype` (e bytes an element).
 
     With N tokens, t = `targets` labelled rows (default N), V vocabulary, h hidden,
-    C = min(chunk_tokens, t) (the chunked kinds compute only labelled rows), and x = 1 if e < 4
-    else 0:
+    C = min(chunk_tokens, t) (the chunked kinds compute only labelled rows), x = 1 if e < 4
+    else 0, and y = 1 if H and W are fp32 (a lower-precision product then works on copies) else 0.
+    The formulas below are for y = 1; with y = 0 (bf16-pure) no copy of H or W is made (the
+    ``y e ...`` copy terms vanish), dH is held at e (e N h instead of 4 N h), and returning dW at
+    W's dtype makes an e V h cast of the fp32 accumulator at the end of the backward (``chunked``:
+    the backward's transient; ``chunked_recompute``: a third candidate, 4 V h + e N h + e V h):
 
     - standard: saved = 4 N V (fp32 log-softmax) + x e (N h + V h) (autocast's copies of H and W,
       saved by the product) + 4; forward peak = saved + e N V (logits) + 4 x N V (their fp32 copy);
@@ -355,26 +361,37 @@ def loss_bytes(
       + 8 C h; transient = max(forward, backward).
 
     Returns:
-        ``saved``, ``transient`` and ``peak`` = saved + transient (bytes).
+        ``saved``, the ``forward`` and ``backward`` transients, ``transient`` = the larger of
+        the two, and ``peak`` = saved + transient (bytes).
     """
     n, v, h = tokens, vocab, hidden
     e = torch.empty((), dtype=act_dtype).element_size()
     x = int(e < 4)
+    y = int(param_dtype == torch.float32)
+    gh = 4 if y else e  # dH, allocated like H
     t = n if targets is None else targets
     c = min(chunk_tokens, t)
     b = min(chunk_tokens, v)  # vocabulary rows per block of a lower-precision dW product
     if kind == "standard":
-        saved = 4 * n * v + x * e * (n * h + v * h) + 4
-        transient = max(e * n * v + 4 * x * n * v, 8 * n * v) + 4
+        saved = 4 * n * v + x * y * e * (n * h + v * h) + 4
+        forward, backward = e * n * v + 4 * x * n * v + 4, 8 * n * v + 4
     elif kind == "chunked":
-        saved = 4 * n * h + 4 * v * h
-        transient = 4 * c * v + 8 * t + (1 - x) * 8 * c * h
-        transient += x * (e * c * v + e * v * h + (e + 4) * b * h + e * c * h)
+        saved = gh * n * h + 4 * v * h
+        forward = 4 * c * v + 8 * t + (1 - x) * 8 * c * h
+        forward += x * (e * c * v + y * e * v * h + (e + 4) * b * h + e * c * h)
+        backward = (1 - y) * e * v * h
     elif kind == "chunked_recompute":
         saved = 4 * n
-        forward = 4 * c * v + x * e * (c * v + v * h) + 8 * n + (4 + e * x) * c * h
-        backward = 4 * c * v + x * (e * c * v + e * v * h + (e + 4) * b * h) + 4 * v * h + 4 * n * h
-        transient = max(forward, backward + 8 * n + 8 * c * h)
+        forward = 4 * c * v + x * e * (c * v + y * v * h) + 8 * n + (4 + e * x) * c * h
+        backward = 4 * c * v + x * (e * c * v + y * e * v * h + (e + 4) * b * h) + 4 * v * h + gh * n * h
+        backward = max(backward + 8 * n + 8 * c * h, (1 - y) * (4 * v * h + gh * n * h + e * v * h))
     else:
         raise ValueError(f"unknown loss kind {kind!r}")
-    return {"saved": saved, "transient": transient, "peak": saved + transient}
+    transient = max(forward, backward)
+    return {
+        "saved": saved,
+        "forward": forward,
+        "backward": backward,
+        "transient": transient,
+        "peak": saved + transient,
+    }

@@ -216,16 +216,35 @@ def test_chunked_loss_memory_drop_at_8192_tokens_and_loss_bytes():
         assert abs(got["transient"] - want["transient"]) <= 0.1 * want["transient"], kind
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("dtype", "params"),
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)],
+    ids=["fp32", "bf16-mixed", "bf16-pure"],
+)
 @pytest.mark.parametrize("chunk", [128, 700, 4096])
 @pytest.mark.parametrize("kind", ["standard", *CHUNKED])
-def test_loss_bytes_matches_measurement(kind, chunk, dtype):
+def test_loss_bytes_matches_measurement(kind, chunk, dtype, params):
+    """bf16-mixed: H and W fp32, the products in bf16 under autocast (on copies); bf16-pure: H and
+    W bf16, no copies, dH in bf16 and dW cast to bf16 at the end of the backward."""
     n, v, hidden, every = 1500, 3000, 96, 6
-    got = measure_loss_bytes(kind, n, v, hidden, dtype, chunk, ignored_every=every)
-    want = loss_bytes(kind, n, v, hidden, dtype, chunk, targets=n - len(range(0, n, every)))
+    got = measure_loss_bytes(kind, n, v, hidden, dtype, chunk, ignored_every=every, param_dtype=params)
+    want = loss_bytes(
+        kind, n, v, hidden, dtype, chunk, targets=n - len(range(0, n, every)), param_dtype=params
+    )
     assert got["saved"] == want["saved"]
     assert abs(got["transient"] - want["transient"]) <= 0.1 * want["transient"]
     assert want["peak"] == want["saved"] + want["transient"]
+
+
+def test_bf16_pure_chunked_loss_backward_casts_dw():
+    """Where V h outgrows the chunk's block (a large vocabulary, a short chunk), the bf16-pure
+    chunked loss's backward peak is its cast of the fp32 dW to the weight's dtype: measured and
+    estimated above the forward's transient."""
+    n, v, hidden, chunk = 256, 4000, 256, 64
+    got = measure_loss_bytes("chunked", n, v, hidden, torch.bfloat16, chunk, param_dtype=torch.bfloat16)
+    want = loss_bytes("chunked", n, v, hidden, torch.bfloat16, chunk, param_dtype=torch.bfloat16)
+    assert want["backward"] == 2 * v * hidden > want["forward"]
+    assert abs(got["transient"] - want["transient"]) <= 0.1 * want["transient"]
 
 
 # 2-process parity with the chunked loss: the head's forward runs inside DDP's and FSDP2's forward.

@@ -303,12 +303,14 @@ def measure_loss_bytes(
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     ignored_every: int = 0,
     seed: int = 0,
+    param_dtype: torch.dtype = torch.float32,
 ) -> dict[str, int]:
     """Measured memory of one forward and backward of `effpretrain.loss.linear_cross_entropy` on
     CPU, in bytes, by `accounting`.
 
-    H (tokens, hidden) and W (vocab, hidden) are fp32 leaves (as the model's final norm output and
-    head weight are), the product runs in `act_dtype` (autocast unless fp32); every
+    H (tokens, hidden) and W (vocab, hidden) are `param_dtype` leaves (as the model's final norm
+    output and head weight are: fp32, or bf16 in a bf16-pure run), the product runs in
+    `act_dtype` (autocast when that differs from `param_dtype`); every
     `ignored_every`-th label is IGNORE_INDEX (0: none). Counted: the tensors the loss itself
     creates (not H, W, the labels), its gradients of H and W included.
 
@@ -318,12 +320,12 @@ def measure_loss_bytes(
         and ``forward_peak``.
     """
     g = torch.Generator().manual_seed(seed)
-    h = torch.randn(tokens, hidden, generator=g).requires_grad_()
-    w = (torch.randn(vocab, hidden, generator=g) * hidden**-0.5).requires_grad_()
+    h = torch.randn(tokens, hidden, generator=g).to(param_dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=g) * hidden**-0.5).to(param_dtype).requires_grad_()
     labels = torch.randint(0, vocab, (tokens,), generator=g)
     if ignored_every:
         labels[::ignored_every] = IGNORE_INDEX
-    auto = torch.autocast("cpu", dtype=act_dtype, enabled=act_dtype != torch.float32)
+    auto = torch.autocast("cpu", dtype=act_dtype, enabled=act_dtype != param_dtype)
     with accounting(h, w, labels) as log:
         log.phase = "forward"
         with auto:

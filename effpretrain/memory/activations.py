@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -85,7 +84,13 @@ class LossBytes:
 
 
 def loss_bytes(
-    kind: str, tokens: int, vocab: int, hidden: int, act: torch.dtype, chunk: int = DEFAULT_CHUNK_TOKENS
+    kind: str,
+    tokens: int,
+    vocab: int,
+    hidden: int,
+    act: torch.dtype,
+    chunk: int = DEFAULT_CHUNK_TOKENS,
+    params: torch.dtype = torch.float32,
 ) -> LossBytes:
     """Memory of the training loss over `tokens` rows (N) of vocabulary V at activation dtype e.
 
@@ -97,15 +102,16 @@ def loss_bytes(
     the formula their own tests check against a measurement: ``saved`` is what they hold from the
     forward to the backward (``chunked``: dH and dW, 4 N h + 4 V h; ``chunked_recompute``: one fp32
     logsumexp a token), and their transient lives while the loss runs: in the forward for
-    ``chunked`` (its backward only scales dH and dW in place), in both for ``chunked_recompute``.
+    ``chunked`` (its backward scales dH and dW in place, and in a bf16-pure run casts dW to the
+    weight's dtype: its backward term), in both for ``chunked_recompute``.
     The shifted labels (8 N) live during the forward.
     """
     N, V, e = tokens, vocab, act.itemsize
     if kind == "standard":
         return LossBytes(4 * N * V + 8 * N + 4, N * V * e + (4 * N * V if e != 4 else 0), 8 * N * V)
 
-    terms = own_terms(kind, N, V, hidden, act, chunk)  # ValueError naming an unknown kind
-    backward = terms["transient"] if kind == "chunked_recompute" else 0
+    terms = own_terms(kind, N, V, hidden, act, chunk, param_dtype=params)  # ValueError: unknown kind
+    backward = terms["transient"] if kind == "chunked_recompute" else terms["backward"]
     return LossBytes(terms["saved"], terms["transient"] + 8 * N, backward)
 
 
@@ -154,13 +160,12 @@ def activation_terms(
     blocks = tuple(N * p.hidden * sb.residual if i in checkpointed else full for i in range(p.layers))
     rope = 0 if all(i in checkpointed for i in range(p.layers)) else 2 * seq_len * p.dim * sb.residual
     base = 8 * N + rope + N * (sb.final_norm_h * p.hidden + 4) + sb.weight_cast * linear_weights[1]
-    lb = loss_bytes(loss, N, V, p.hidden, precision(dtype).activations, loss_chunk_tokens)
+    prec = precision(dtype)
+    lb = loss_bytes(loss, N, V, p.hidden, prec.activations, loss_chunk_tokens, prec.params)
     if loss == "chunked":
         # The head's product does not run through autograd: nothing saves the final norm's output
-        # (as the head's input, e N h) nor autocast's copy of the head's weight; dH is held at the
-        # residual stream's dtype, not the fp32 that `effpretrain.loss.loss_bytes` assumes.
+        # (as the head's input, e N h) nor autocast's copy of the head's weight.
         base -= N * p.hidden * e + sb.weight_cast * linear_weights[1]
-        lb = dataclasses.replace(lb, saved=lb.saved - (4 - sb.residual) * N * p.hidden)
     return Activations(blocks, full, base, lb)
 
 
