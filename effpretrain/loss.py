@@ -42,6 +42,8 @@ from effpretrain.errors import ConfigError
 LossKind = Literal["standard", "chunked", "chunked_recompute"]
 #: Rows per chunk of the chunked loss unless told (`train.loss_chunk_tokens`).
 DEFAULT_CHUNK_TOKENS = 1024
+#: The fewest vocabulary rows per block of a lower-precision dW product (`dw_block_rows`).
+DW_BLOCK_ROWS = 4096
 
 __all__ = [
     "DEFAULT_CHUNK_TOKENS",
@@ -79,14 +81,21 @@ def _chunk_softmax_(z: torch.Tensor, y: torch.Tensor, normalize: bool) -> tuple[
     return se.squeeze(1).log_().add_(m.squeeze(1)), target
 
 
-def _add_weight_grad_(gw: torch.Tensor, dz: torch.Tensor, hc: torch.Tensor, rows: int) -> None:
+def dw_block_rows(chunk_tokens: int, vocab: int) -> int:
+    """B, the vocabulary rows per block of a lower-precision dW product: the chunk's rows, at least
+    `DW_BLOCK_ROWS` (fewer, larger products), at most V."""
+    return min(max(chunk_tokens, DW_BLOCK_ROWS), vocab)
+
+
+def _add_weight_grad_(gw: torch.Tensor, dz: torch.Tensor, hc: torch.Tensor, chunk: int) -> None:
     """dW += dZ_c^T H_c into the fp32 accumulator `gw`: one ``addmm_`` for fp32 operands; for a
-    product in a lower precision, `rows` vocabulary rows at a time, so that the product (at dZ's
-    dtype) and its fp32 copy are (rows, h) temporaries instead of (V, h) ones (at a 128k
-    vocabulary and h = 4096 in bf16: 50 MB instead of 3.2 GB for 1,024 rows)."""
+    product in a lower precision, B = `dw_block_rows` vocabulary rows at a time, so that the
+    product (at dZ's dtype) and its fp32 copy are (B, h) temporaries instead of (V, h) ones (at a
+    128k vocabulary and h = 4096 in bf16: 100 MB for 4,096 rows instead of 3.2 GB)."""
     if dz.dtype == torch.float32:
         gw.addmm_(dz.t(), hc)
         return
+    rows = dw_block_rows(chunk, gw.shape[0])
     for v0 in range(0, gw.shape[0], rows):
         gw[v0 : v0 + rows] += torch.mm(dz[:, v0 : v0 + rows].t(), hc).float()
 
@@ -353,7 +362,7 @@ def loss_bytes(
       from the forward to the backward, which scales them in place into the gradients (nothing
       more); transient = 4 C V (the chunk's logits, then softmax, then dZ, in one block) + 8 t (row
       index) + (1 - x) 8 C h (H_c and dH_c) + x (e C V (dZ_c in e) + e V h (W in e) + (e + 4) B h
-      (a block of B = min(chunk_tokens, V) rows of the chunk's dW product and its fp32 copy) +
+      (a block of B = `dw_block_rows` rows of the chunk's dW product and its fp32 copy) +
       e C h (H_c in e)).
     - chunked_recompute: saved = 4 N (one logsumexp a token; H, W and the labels are alive anyway);
       forward = 4 C V + x (e C V + e V h) + 8 N (row index) + (4 + e x) C h;
@@ -371,7 +380,7 @@ def loss_bytes(
     gh = 4 if y else e  # dH, allocated like H
     t = n if targets is None else targets
     c = min(chunk_tokens, t)
-    b = min(chunk_tokens, v)  # vocabulary rows per block of a lower-precision dW product
+    b = dw_block_rows(chunk_tokens, v)  # vocabulary rows per block of a lower-precision dW product
     if kind == "standard":
         saved = 4 * n * v + x * y * e * (n * h + v * h) + 4
         forward, backward = e * n * v + 4 * x * n * v + 4, 8 * n * v + 4

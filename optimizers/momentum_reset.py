@@ -141,23 +141,24 @@ def prune_(
     """
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"prune ratio must be in [0, 1], got {ratio}")
-    count = 0
-    for st in _selected_states(optimizer, params):
-        for key in keys:
-            value = st.get(key)
-            if not torch.is_tensor(value) or value.numel() == 0:
-                continue
-            if not value.is_floating_point():
-                raise TypeError(
-                    f"cannot prune {key!r}: {value.dtype} codes (quantised moments) have no magnitude order"
-                )
-            numel = value.numel()
-            # The epsilon keeps e.g. 0.999 * 1000 from flooring to 998.
-            n_keep = numel - math.floor(ratio * numel + 1e-9)
-            if n_keep < numel:
-                keep = torch.zeros(numel, dtype=torch.bool, device=value.device)
-                if n_keep > 0:
-                    keep[value.reshape(-1).abs().topk(n_keep, sorted=False).indices] = True
-                value.masked_fill_(~keep.view(value.shape), 0)
-            count += 1
-    return count
+    selected = [
+        (key, st[key])
+        for st in _selected_states(optimizer, params)
+        for key in keys
+        if torch.is_tensor(st.get(key)) and st[key].numel()
+    ]
+    for key, value in selected:  # refused before anything is pruned
+        if not value.is_floating_point():
+            raise TypeError(
+                f"cannot prune {key!r}: {value.dtype} codes (quantised moments) have no magnitude order"
+            )
+    for _, value in selected:
+        numel = value.numel()
+        # The epsilon keeps e.g. 0.999 * 1000 from flooring to 998.
+        n_keep = numel - math.floor(ratio * numel + 1e-9)
+        if n_keep < numel:
+            keep = torch.zeros(numel, dtype=torch.bool, device=value.device)
+            if n_keep > 0:
+                keep[value.reshape(-1).abs().topk(n_keep, sorted=False).indices] = True
+            value.masked_fill_(~keep.view(value.shape), 0)
+    return len(selected)

@@ -9,6 +9,7 @@ import torch
 
 from optimizers._matrix import MatrixOptimizer
 from optimizers._sharded import local
+from optimizers.momentum_reset import RESET_KEYS
 
 MOMENT1 = "moment1"
 """M, the head's momentum (the reference code's key)."""
@@ -49,6 +50,8 @@ class SCALE(MatrixOptimizer):
     """
 
     MATRIX_DEFAULTS: ClassVar[dict[str, Any]] = {"momentum": 0.9}
+    RESET_KEYS: ClassVar[tuple[str, ...]] = (*RESET_KEYS, MOMENT1)
+    """A momentum reset zeroes the head's momentum too (`optimizers.momentum_reset`)."""
     #: Row normalisation is row-local: under FSDP2 hidden weights and the head step on their row
     #: shards (the head's momentum sharded like it); the embedding's column norms need it whole.
     ROW_LOCAL_ROLES: ClassVar[tuple[str, ...]] = ("hidden", "head")

@@ -236,15 +236,20 @@ def test_loss_bytes_matches_measurement(kind, chunk, dtype, params):
     assert want["peak"] == want["saved"] + want["transient"]
 
 
-def test_bf16_pure_chunked_loss_backward_casts_dw():
-    """Where V h outgrows the chunk's block (a large vocabulary, a short chunk), the bf16-pure
-    chunked loss's backward peak is its cast of the fp32 dW to the weight's dtype: measured and
-    estimated above the forward's transient."""
-    n, v, hidden, chunk = 256, 4000, 256, 64
-    got = measure_loss_bytes("chunked", n, v, hidden, torch.bfloat16, chunk, param_dtype=torch.bfloat16)
-    want = loss_bytes("chunked", n, v, hidden, torch.bfloat16, chunk, param_dtype=torch.bfloat16)
-    assert want["backward"] == 2 * v * hidden > want["forward"]
+@pytest.mark.parametrize("params", [torch.float32, torch.bfloat16], ids=["bf16-mixed", "bf16-pure"])
+def test_bf16_chunked_loss_with_a_vocabulary_of_several_dw_blocks(params):
+    """A vocabulary of several `dw_block_rows` blocks (30,000 rows, 4,096 a block): the loss's
+    measured transient is the formula's, whose dW product term is one (B, h) block, not (V, h).
+    In bf16-pure the backward's cast of the fp32 dW to the weight's dtype is then the peak."""
+    from effpretrain.loss import dw_block_rows
+
+    n, v, hidden, chunk = 64, 30000, 256, 16
+    assert dw_block_rows(chunk, v) == 4096
+    got = measure_loss_bytes("chunked", n, v, hidden, torch.bfloat16, chunk, param_dtype=params)
+    want = loss_bytes("chunked", n, v, hidden, torch.bfloat16, chunk, param_dtype=params)
     assert abs(got["transient"] - want["transient"]) <= 0.1 * want["transient"]
+    if params == torch.bfloat16:
+        assert want["backward"] == 2 * v * hidden > want["forward"]
 
 
 # 2-process parity with the chunked loss: the head's forward runs inside DDP's and FSDP2's forward.

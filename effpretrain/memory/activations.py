@@ -111,8 +111,9 @@ def loss_bytes(
         return LossBytes(4 * N * V + 8 * N + 4, N * V * e + (4 * N * V if e != 4 else 0), 8 * N * V)
 
     terms = own_terms(kind, N, V, hidden, act, chunk, param_dtype=params)  # ValueError: unknown kind
-    backward = terms["transient"] if kind == "chunked_recompute" else terms["backward"]
-    return LossBytes(terms["saved"], terms["transient"] + 8 * N, backward)
+    if kind == "chunked_recompute":
+        return LossBytes(terms["saved"], terms["transient"] + 8 * N, terms["transient"])
+    return LossBytes(terms["saved"], terms["forward"] + 8 * N, terms["backward"])
 
 
 @dataclass(frozen=True)

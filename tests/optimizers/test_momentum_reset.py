@@ -99,19 +99,21 @@ KEEPS_HISTORY = {
     "apollo": "keeps its refresh count, which seeds the next random projection",
     "apollo_mini": "keeps its refresh count, which seeds the next random projection",
 }
-_MATS, _DENSE = [(64, 64), (96, 64)], [(512, 64), (64,)]
+_MATS, _DENSE = [(64, 64), (96, 64)], [(512, 64), (64,), (512, 64)]
 
 
 def _registry_groups(name: str, ps: list[torch.nn.Parameter]) -> list[dict]:
-    """The method's param groups for two matrices, an embedding-shaped matrix and a vector."""
+    """The method's param groups for two matrices, an embedding, a vector and a head."""
     spec = optimizers.METHODS[name]
     mats, dense = ps[: len(_MATS)], ps[len(_MATS) :]
-    if spec.matrix_params:
-        groups = [{"params": mats, **spec.matrix_group("hidden")}]
-        emb = spec.matrix_role(target=False, embedding=True, ndim=2)
-        if emb:
-            return [*groups, {"params": dense[:1], **spec.matrix_group(emb)}, {"params": dense[1:]}]
-        return [*groups, {"params": dense}]
+    if spec.matrix_params:  # each role the method gives a group (SCALE: embedding and head too)
+        groups = [{"params": mats, **spec.matrix_group("hidden")}, {"params": dense[1:2]}]
+        for p, role in (
+            (dense[0], spec.matrix_role(target=False, embedding=True, ndim=2)),
+            (dense[2], spec.matrix_role(target=False, embedding=False, ndim=2)),
+        ):
+            groups.append({"params": [p], **spec.matrix_group(role)} if role else {"params": [p]})
+        return groups
     if spec.projects:  # the exact SVD basis (the randomized one is seeded by the refresh count)
         proj = spec.projection_group(rank=8, update_proj_gap=100, scale=0.5, basis="svd")
         return [{"params": mats, **proj}, {"params": dense}]
