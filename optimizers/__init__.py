@@ -298,7 +298,10 @@ class MethodSpec:
     ) -> int:
         """Exact bytes of state one rank holds for its row shard `part` of a weight of `shape` that
         `steps_shards` (the class's ``part_state_bytes`` where the whole weight decides the format,
-        as 8-bit moments do; else the formula at the part's shape)."""
+        as 8-bit moments do; else the formula at the part's shape); the whole weight's
+        `state_bytes` when `part` is all of it."""
+        if tuple(part) == tuple(shape):
+            return self.state_bytes(shape, group, dtype)
         fn = None if self.state_bytes_fn else getattr(self.cls, "part_state_bytes", None)
         if fn is not None:
             return int(fn(tuple(shape), tuple(part), group, dtype))

@@ -4,9 +4,9 @@ Some optimizer steps need a parameter's whole matrix, which FSDP2 splits by rows
 a projection basis is computed from the whole gradient, Fira's and APOLLO's norms are over the
 whole matrix, 8-bit moments are quantised in blocks of the flattened tensor (unless each row
 is whole blocks: `BlockwiseMoments8bit.steps_shards`), and an orthogonalisation (Muon, SWAN)
-acts on the whole matrix. Gathering every such matrix on every rank (the "gather" path) repeats the same math N times and keeps the state whole on every rank,
-so per-rank optimizer memory stops shrinking with N. Here each such parameter has one owner rank
-instead:
+acts on the whole matrix. Gathering every such matrix on every rank (the "gather" path) repeats
+the same math N times and keeps the state whole on every rank, so per-rank optimizer memory stops
+shrinking with N. Here each such parameter has one owner rank instead:
 
 1. Placement (`assign_owners`), once, from the global shapes: parameters in decreasing order of
    cost (``m n k`` for a projected matrix, whose basis costs that, ``numel`` for a dense block

@@ -163,7 +163,7 @@ def test_8bit_moments_of_whole_block_rows_step_their_fsdp2_shards(tmp_path, in_b
     # their codes and scales as row shards (DTensors), not as an owner's whole tensors; the 1-D
     # norms stay whole on their owners.
     ckpt = tmp_path / "galore_8bit-fsdp2" / "checkpoints" / "step-20" / "trainer.pt"
-    state = torch.load(ckpt, weights_only=False)["optimizer_skeleton"]["state"]
+    state = torch.load(ckpt, weights_only=True)["optimizer_skeleton"]["state"]
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         codes, scales = state[name]["exp_avg"], state[name]["exp_avg_sq_absmax"]
         assert codes["sharded"] and codes["dtype"] == "uint8" and codes["shape"] == [VOCAB, 256]

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from effpretrain.checkpoint.commit import unwrap_dcp
 from effpretrain.checkpoint.weights import load_model_weights, without_aliases
-from optimizers._sharded import row_sharded_like
+from optimizers._sharded import local, row_sharded_like
 
 _PLACEHOLDER = "__dcp__"
 
@@ -199,10 +199,9 @@ def load_sharded(
             p = params.get(key.split("/")[2])  # optim/state/<param name>/<state key>
             if not isinstance(p, DTensor) or not ph["shape"] or ph["shape"][0] != p.shape[0]:
                 raise ValueError(f"sharded state {key} {ph['shape']} does not fit its parameter")
-            mine = (p.to_local().shape[0], *ph["shape"][1:])
-            tensors[key] = row_sharded_like(
-                p, torch.zeros(mine, dtype=dtype, device=p.to_local().device), ph["shape"]
-            )
+            rows = local(p)
+            mine = torch.zeros((rows.shape[0], *ph["shape"][1:]), dtype=dtype, device=rows.device)
+            tensors[key] = row_sharded_like(p, mine, ph["shape"])
         else:
             tensors[key] = torch.empty_strided(ph["shape"], ph["stride"], dtype=dtype)
     state = {"model": without_aliases(model.state_dict()), "optim": tensors}

@@ -154,10 +154,7 @@ class _Tally:
         else:
             parts = self.chunks(shape) if self.shard > 1 else [shape]
             for i, part in enumerate(parts):
-                if self.shard > 1:
-                    self.state_ranks[i] += self.method.part_state_bytes(shape, part, group, self.dtype)
-                else:
-                    self.state_ranks[i] += self.method.state_bytes(shape, group, self.dtype)
+                self.state_ranks[i] += self.method.part_state_bytes(shape, part, group, self.dtype)
                 self.shared_ranks[i] = max(
                     self.shared_ranks[i], self.method.shared_state_bytes(part, group, self.dtype)
                 )
