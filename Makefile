@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv train test test-fast lint docs format clean gpu-wheels
+.PHONY: venv train test test-fast mutants lint docs format clean gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,6 +28,11 @@ test: $(STAMP)
 # tests/conftest.py), every module touched; the whole suite stays `make test`.
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile -m fast $(PYTEST_ARGS)
+
+# Mutation checks (tests/mutants.py): each named breakage of the product, applied to a copy of the
+# checkout, must make the tests that claim the behaviour fail; lists which tests caught each one.
+mutants: $(STAMP)
+	$(BIN)/python tests/mutants.py $(MUTANTS_ARGS)
 
 # The generated reference pages, then the site; strict: a broken link or a page missing from the
 # navigation fails the build.
