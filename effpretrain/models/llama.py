@@ -198,7 +198,7 @@ def shape_of(config: Any) -> ModelShape:
         kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
         head_dim=head_dim,
         tied=bool(getattr(config, "tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v biases and Mistral none; LLaMA and Qwen3 read attention_bias.
+        # LLaMA and Qwen3 read attention_bias; Qwen2 always has q/k/v biases, Mistral none (ModelShape).
         qkv_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
         qk_norm=model_type == "qwen3",
         rope_theta=_rope_theta(config),
