@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 import optimizers
+from effpretrain import grad_norm
 from effpretrain.compile import compile_blocks
 from effpretrain.config import RunConfig
 from effpretrain.errors import ConfigError
@@ -122,16 +123,17 @@ def make_train_step(
     *,
     sched: Any = None,
     in_backward: Any = None,
-    clip: float | None = None,
 ) -> Callable[[], float]:
     """One optimizer step as a callable: `train.grad_accum` micro-steps on ``batches(k)`` (forward
-    with the run's loss, backward of the token-mean loss), clipping at `clip` (default
-    `train.grad_clip`; 0 off), the optimizer and schedule steps, ``zero_grad``. With
-    `in_backward` (an `effpretrain.in_backward.InBackward`) the parameters step inside backward
-    and the step finishes the engine's update instead of clipping. Returns the step's loss."""
+    with the run's loss, backward of the token-mean loss), the global gradient norm clipped at
+    `train.grad_clip` (0: the norm only, as the trainer computes it for its log) by the trainer's
+    own `effpretrain.grad_norm.clip_grad_norm_`, the optimizer and schedule steps, ``zero_grad``.
+    With `in_backward` (an `effpretrain.in_backward.InBackward`) the parameters step inside
+    backward and the step finishes the engine's update instead of clipping. Returns the step's
+    loss."""
 
     K = cfg.train.grad_accum
-    clip = cfg.train.grad_clip if clip is None else clip
+    clip = cfg.train.grad_clip
 
     def step() -> float:
         total = 0.0
@@ -146,8 +148,8 @@ def make_train_step(
             total += float(loss.detach())
         if in_backward is not None:
             in_backward.finish()
-        elif clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        else:
+            grad_norm.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         if sched is not None:
             sched.step()

@@ -318,6 +318,49 @@ def test_measuring_a_step_leaves_training_bitwise_unchanged(tmp_path):
     assert json.loads((tmp_path / "plain" / "summary.json").read_text())["memory_measured"] is None
 
 
+def _stepped_grad_norms(cfg, vocab: int) -> list[float]:
+    """`measure_run`'s steps, and the global norm of the gradients each optimizer step received
+    (a global step pre-hook sees them after any clipping)."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from effpretrain import grad_norm
+    from effpretrain.memory.measure import measure_run
+
+    norms = []
+
+    def seen(opt, args, kwargs):
+        norms.append(grad_norm.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 0.0))
+
+    handle = register_optimizer_step_pre_hook(seen)
+    try:
+        measure_run(cfg, vocab, steps=1)
+    finally:
+        handle.remove()
+    return norms
+
+
+def test_measured_step_clips_at_the_runs_grad_clip():
+    """`measure_run` steps as the run does: with ``train.grad_clip: 0`` (the paper recipes') the
+    optimizer steps on the unclipped gradients, whose norm is the reference step's (above 1, so a
+    fixed clip at 1 would show); with a threshold below that norm, on gradients of exactly that
+    norm. The reference is the same seeded model and batch, forward and backward by hand. The
+    measured step runs the same operations under the accounting's dispatch mode, which changes no
+    arithmetic; a tolerance of 1e-6 all the same, as the norms are compared across two builds."""
+    from effpretrain import grad_norm
+    from effpretrain.run_model import synthetic_batch
+
+    over = ["data.seq_len=16", "data.vocab_size=512", "train.batch_size=1", "data.shuffle_buffer=0"]
+    cfg = load_config(ROOT / "recipes/tiny/adamw.yaml", [*over, "train.grad_clip=0"])
+    model, _ = build_run_model(cfg, 512)
+    s, n = token_loss_sum(model, synthetic_batch(cfg, 512, seed=0), packed=True, loss=cfg.train.loss)
+    (s / n).backward()
+    norm = grad_norm.clip_grad_norm_(model.parameters(), 0.0)
+    assert norm > 1.0
+    assert _stepped_grad_norms(cfg, 512) == [pytest.approx(norm, rel=1e-6)]
+    clipped = load_config(ROOT / "recipes/tiny/adamw.yaml", [*over, f"train.grad_clip={norm / 4}"])
+    assert _stepped_grad_norms(clipped, 512) == [pytest.approx(norm / 4, rel=1e-5)]
+
+
 # ----------------------------------------------------------------------------------------------
 # train.update_in_backward (issue 17): the engine's accumulators and in-flight gradients.
 

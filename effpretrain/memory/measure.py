@@ -325,8 +325,10 @@ def measure_run(
     """Builds `cfg`'s model and optimizer as the trainer does (placed by `run_model.place_model`:
     its precision, its activation checkpointing as the estimator plans it, `train.compile`) and
     measures its first `steps` steps on one random batch, without data loading: one `measure_step`
-    breakdown per step. Step 0 builds the optimizer state (and a projecting method's first basis: a
-    refresh step); from step 1 the state exists before the forward (the steady state). With
+    breakdown per step. Each step clips at the run's `train.grad_clip` (0: not at all) with the
+    trainer's own norm (`run_model.make_train_step`). Step 0 builds the optimizer state (and a
+    projecting method's first basis: a refresh step); from step 1 the state exists before the
+    forward (the steady state). With
     ``train.update_in_backward`` the step runs as the trainer's does (an
     `effpretrain.in_backward.InBackward` steps each parameter inside backward; its hooks are
     removed before returning). Tests and benchmarks compare these with the estimate.
@@ -345,7 +347,7 @@ def measure_run(
     opt, _ = build_optimizer_and_schedule(model, cfg)
     mb = synthetic_batch(cfg, vocab_size, seed, device)
     inb = InBackward.for_run(model.parameters(), opt, cfg.train) if cfg.train.update_in_backward else None
-    step = make_train_step(model, opt, cfg, lambda k: mb, in_backward=inb, clip=1.0)
+    step = make_train_step(model, opt, cfg, lambda k: mb, in_backward=inb)
     try:
         return [measure_step(step, model, opt, k, in_backward=inb) for k in range(steps)]
     finally:

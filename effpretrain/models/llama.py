@@ -36,7 +36,8 @@ class ModelShape:
         kv_heads: key/value heads (grouped-query attention); 0: ``heads``.
         head_dim: per-head width; 0: ``hidden // heads``.
         tied: the head is the input embedding (one matrix).
-        qkv_bias: q, k and v projections carry a bias (Qwen2).
+        qkv_bias: attention's projections carry biases: q, k and v in Qwen2 (always), q, k, v and
+            o in LLaMA and Qwen3 (their ``attention_bias``); never in Mistral, whose class has none.
         qk_norm: an RMSNorm over each head of q and k (Qwen3).
         rope_theta: RoPE's base.
         architecture: the HF class (`ARCHITECTURES`).
@@ -62,9 +63,12 @@ class ModelShape:
             object.__setattr__(self, "kv_heads", 0)
         if self.head_dim * self.heads == self.hidden:
             object.__setattr__(self, "head_dim", 0)
-        # What the architecture fixes: Qwen2's q/k/v carry biases, Qwen3 norms q and k.
+        # What the architecture fixes: Qwen2's q/k/v carry biases, Mistral's attention none,
+        # Qwen3 norms q and k.
         if self.architecture == "Qwen2ForCausalLM":
             object.__setattr__(self, "qkv_bias", True)
+        if self.architecture == "MistralForCausalLM":
+            object.__setattr__(self, "qkv_bias", False)
         if self.architecture == "Qwen3ForCausalLM":
             object.__setattr__(self, "qk_norm", True)
 
@@ -94,7 +98,12 @@ class ModelShape:
         return self.kv * self.dim
 
     def hf_config(self, vocab_size: int | None = None, max_positions: int = 1024, **kw: Any) -> Any:
-        """The transformers config of this shape (RMSNorm eps 1e-6, SiLU MLP, RoPE, SDPA)."""
+        """The transformers config of this shape (RMSNorm eps 1e-6, SiLU MLP, RoPE, SDPA).
+
+        It states every field the shape holds, so that ``shape_of(shape.hf_config()) == shape``
+        and the model it builds has the shape's parameters: a field left out takes the class's
+        default, which need not be the shape's (Qwen3's ``head_dim`` is 128 whatever the width).
+        """
         import transformers
 
         model_type = ARCHITECTURES[self.architecture]
@@ -106,14 +115,13 @@ class ModelShape:
             extra["mlp_bias"] = False
         if model_type in ("mistral", "qwen2", "qwen3"):
             extra["sliding_window"] = None
-        if self.head_dim:
-            extra["head_dim"] = self.head_dim
         return config_cls(
             vocab_size=vocab_size or self.vocab,
             hidden_size=self.hidden,
             intermediate_size=self.intermediate,
             num_attention_heads=self.heads,
             num_key_value_heads=self.kv,
+            head_dim=self.dim,
             num_hidden_layers=self.layers,
             max_position_embeddings=max_positions,
             rms_norm_eps=1e-6,
@@ -176,7 +184,8 @@ def shape_of(config: Any) -> ModelShape:
     if arch is None or ARCHITECTURES[arch] != model_type:
         found = ", ".join(archs) or f"model_type {model_type!r}"
         raise ValueError(f"{found} is not supported; supported: {', '.join(ARCHITECTURES)}")
-    if getattr(config, "mlp_bias", False):
+    # Only LlamaForCausalLM reads mlp_bias; the other classes build a bias-free MLP whatever it says.
+    if model_type == "llama" and getattr(config, "mlp_bias", False):
         raise ValueError(f"{arch} with mlp_bias=true is not supported (the MLP is bias-free in this family)")
     heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
@@ -189,6 +198,7 @@ def shape_of(config: Any) -> ModelShape:
         kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
         head_dim=head_dim,
         tied=bool(getattr(config, "tie_word_embeddings", False)),
+        # LLaMA and Qwen3 read attention_bias; Qwen2 always has q/k/v biases, Mistral none (ModelShape).
         qkv_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
         qk_norm=model_type == "qwen3",
         rope_theta=_rope_theta(config),

@@ -65,3 +65,17 @@ def test_only_one_section_keeps_the_other(tmp_path):
     assert bench.main(["--only", "loss", "--loss-shape", "256", "512", "16", "--out", str(out)]) == 0
     got = json.loads(out.read_text())
     assert got["rows"] == [{"kept": True}] and got["loss"]["tokens"] == 256 and got["commit"]
+
+
+def test_the_committed_results_cover_the_grid_as_the_docs_say():
+    """``benchmarks/results/memory.json`` holds a row for every grid case (a new tiny recipe needs
+    a new run), with the commit and machine it came from, nothing flagged, and the peak ratio
+    range docs/development.md quotes."""
+    got = json.loads((ROOT / "benchmarks" / "results" / "memory.json").read_text())
+    assert [(r["recipe"], r["preset"]) for r in got["rows"]] == bench.grid()
+    assert got["commit"] and got["machine"] and got["flagged"] == []
+    assert all(r["measured"][c] == r["estimated"][c] for r in got["rows"] for c in bench.EXACT)
+    ratios = [r["ratio"]["peak"] for r in got["rows"]]
+    doc = (ROOT / "docs" / "development.md").read_text()
+    assert f"commit {got['commit']}" in doc
+    assert f"ratios {min(ratios):.4f}-{max(ratios):.4f}" in doc
