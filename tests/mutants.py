@@ -11,20 +11,23 @@ caught each one. The listed tests pass on the unmutated code: `make test` runs t
 A mutation whose text is not found exactly once is an error of this table (the code moved on): it
 must be updated with the code, never skipped.
 
-Usage: ``python tests/mutants.py [--list] [--only NAME ...] [--workers N]``.
+Usage: ``python tests/mutants.py [--list] [--only NAME ...] [--jobs N]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import queue
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -189,6 +192,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         'if not n.endswith("_absmax")} for k, v in opt.state_dict()["state"].items()}},',
         ("tests/test_trainer.py::test_split_run_equals_straight_run[galore_8bit]",),
     ),
+    Mutation(
+        "shape-drops-head-dim",
+        "the estimate counts the model the trainer builds, whatever its head size (drawn shapes)",
+        "effpretrain/models/llama.py",
+        "            head_dim=self.dim,\n",
+        "",
+        ("tests/test_shapes.py::test_estimate_counts_the_model_the_trainer_builds[Qwen3ForCausalLM-galore]",),
+    ),
+    Mutation(
+        "measure-clips-always",
+        "a measured step clips at the run's own train.grad_clip (0: not at all)",
+        "effpretrain/run_model.py",
+        "    clip = cfg.train.grad_clip",
+        "    clip = 1.0",
+        ("tests/test_memory_measure.py::test_measured_step_clips_at_the_runs_grad_clip",),
+    ),
 )
 
 
@@ -288,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--list", action="store_true", help="list the mutations and their tests")
     p.add_argument("--only", nargs="*", default=None, help="run only these mutations")
-    p.add_argument("--workers", type=int, default=2, help="pytest-xdist workers per mutant (0: none)")
+    p.add_argument("--jobs", type=int, default=2, help="processes at once (the machine's cores)")
     args = p.parse_args(argv)
     mutations = [m for m in MUTATIONS if args.only is None or m.name in args.only]
     if args.only and len(mutations) != len(set(args.only)):
@@ -302,23 +321,46 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print("mutants: the table is out of date:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 2
-    survived, t_all = [], time.time()
-    with tempfile.TemporaryDirectory(prefix="effpretrain-mutants-") as tmp:
-        copy = Path(tmp) / "src"
-        copy_checkout(copy)
-        for i, m in enumerate(mutations, 1):
-            failed, seconds, tail = run_mutant(m, copy, args.workers)
-            by_file = caught_in(m, failed)
-            ok = all(by_file.values())
-            print(
-                f"[{i}/{len(mutations)}] {m.name}: {'caught' if ok else 'SURVIVED'} ({seconds:.0f} s) - {m.claim}"
-            )
+    jobs = max(1, args.jobs)
+    # A mutant with tests in several files runs them on `jobs` pytest-xdist workers, alone; the
+    # others run `jobs` at a time, one process each (a single file gains nothing from xdist).
+    several = [m for m in mutations if len(m.files()) > 1 and jobs > 1]
+    single = [m for m in mutations if m not in several]
+    results: dict[str, tuple[dict[str, list[str]], float, str]] = {}
+    lock, t_all = threading.Lock(), time.time()
+
+    def report(m: Mutation) -> None:
+        failed, seconds, tail = results[m.name]
+        by_file = caught_in(m, failed)
+        ok = all(by_file.values())
+        with lock:
+            print(f"{m.name}: {'caught' if ok else 'SURVIVED'} ({seconds:.0f} s) - {m.claim}")
             for f, names in by_file.items():
                 print(f"    {f}: {', '.join(names) if names else 'NOT CAUGHT (every listed test passed)'}")
             if not ok:
-                survived.append(m.name)
                 print("    " + tail.replace("\n", "\n    "))
             sys.stdout.flush()
+
+    with tempfile.TemporaryDirectory(prefix="effpretrain-mutants-") as tmp:
+        copies: queue.Queue[Path] = queue.Queue()
+        for j in range(jobs if single else 1):
+            copy = Path(tmp) / f"src{j}"
+            copy_checkout(copy)
+            copies.put(copy)
+
+        def run(m: Mutation, workers: int) -> None:
+            copy = copies.get()
+            try:
+                results[m.name] = run_mutant(m, copy, workers)
+            finally:
+                copies.put(copy)
+            report(m)
+
+        for m in several:
+            run(m, jobs)
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            list(pool.map(lambda m: run(m, 0), single))
+    survived = [m.name for m in mutations if not all(caught_in(m, results[m.name][0]).values())]
     print(
         f"mutants: {len(mutations) - len(survived)} of {len(mutations)} caught in {time.time() - t_all:.0f} s"
     )
