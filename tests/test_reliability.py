@@ -428,7 +428,8 @@ KILL_SCRIPT = textwrap.dedent(
 
     def dying_save(obj, f, *a, **kw):
         # The second checkpoint (step 20) dies after writing model and optimizer, mid-save.
-        if str(f).endswith("trainer.pt") and "step-20.tmp-" in str(f):
+        name = str(getattr(f, "name", f))  # checkpoints write through file objects
+        if name.endswith("trainer.pt") and "step-20.tmp-" in name:
             os.kill(os.getpid(), signal.SIGKILL)
         return real_save(obj, f, *a, **kw)
 
