@@ -67,6 +67,10 @@ class RunReport:
             self.acc.init_trackers(cfg.method or "effpretrain", config=flat_config(to_dict(cfg)))
         if main:
             self.file = open(self.metrics_path, "a")
+        if main and sys.stderr.isatty():
+            # Only on a terminal: in a log file or a pipe the bar's carriage-return redraws pile up
+            # on one line that the log lines then continue; there, metrics.jsonl (flushed at every
+            # record) shows the progress and stderr keeps one line per event.
             from tqdm.auto import tqdm
 
             self._bar = tqdm(
@@ -75,7 +79,7 @@ class RunReport:
                 desc=cfg.method,
                 dynamic_ncols=True,
                 file=sys.stderr,
-                mininterval=0.5 if sys.stderr.isatty() else 10.0,
+                mininterval=0.5,
             )
         return self
 

@@ -18,6 +18,7 @@ folder must be on a file system every rank can reach.
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from effpretrain.checkpoint.commit import unwrap_dcp
+from effpretrain.checkpoint.commit import os_error_of, unwrap_dcp
 from effpretrain.checkpoint.weights import load_model_weights, without_aliases
 from optimizers._sharded import local, row_sharded_like
 
@@ -154,7 +155,11 @@ def save_sharded(folder: Path, model: torch.nn.Module, opt: torch.optim.Optimize
     by_name = _keyed_by_name(opt.state_dict(), _param_names(model, opt))
     skeleton = _split(by_name, "optim", tensors)
     # A tied matrix (the head that is the embedding) is written once, as in a whole checkpoint.
-    dcp.save({"model": without_aliases(model.state_dict()), "optim": tensors}, checkpoint_id=str(folder))
+    dcp.save(
+        {"model": without_aliases(model.state_dict()), "optim": tensors},
+        checkpoint_id=str(folder),
+        storage_writer=_writer(folder),
+    )
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, skeleton["state"])
@@ -164,6 +169,28 @@ def save_sharded(folder: Path, model: torch.nn.Module, opt: torch.optim.Optimize
                 merged.setdefault(name, {}).update(entry)
         skeleton["state"] = {k: merged[k] for k in sorted(merged, key=_flat_order(by_name))}
     return skeleton
+
+
+def _writer(folder: Path) -> Any:
+    """DCP's file system writer (files synced), whose failed write raises the OS's error.
+
+    A rank's write failure reaches every rank pickled inside DCP's ``CheckpointException``, and
+    pickling drops the ``__context__`` that holds the OSError under torch's zip-writer
+    RuntimeError; raising the OSError itself on the failing rank keeps its errno (an OSError
+    pickles with it), so every rank names the same cause (`commit.write_error_cause`)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class _Writer(FileSystemWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            try:
+                return super().write_data(plan, planner)
+            except Exception as e:
+                os_err = os_error_of(e)
+                if os_err is None or os_err is e:
+                    raise
+                raise OSError(os_err.errno, os.strerror(os_err.errno), os_err.filename) from e
+
+    return _Writer(str(folder), sync_files=True)
 
 
 def _flat_order(by_name: dict[str, Any]) -> Any:
