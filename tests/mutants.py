@@ -208,6 +208,27 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    clip = 1.0",
         ("tests/test_memory_measure.py::test_measured_step_clips_at_the_runs_grad_clip",),
     ),
+    Mutation(
+        "full-disk-zip-writer-traceback",
+        "a full disk while torch.save writes a checkpoint file ends the run in one line, exit 4",
+        "effpretrain/checkpoint/commit.py",
+        "        except RuntimeError as e:\n            os_err = os_error_of(e)",
+        "        except KeyboardInterrupt as e:\n            os_err = os_error_of(e)",
+        (
+            "tests/test_full_disk.py::test_a_file_size_limit_hit_in_each_checkpoint_file_stops_in_one_line"
+            "_and_resume_is_exact[optimizer.pt]",
+        ),
+    ),
+    Mutation(
+        "full-disk-sharded-partial-folder",
+        "a sharded save that fails leaves no partial folder behind",
+        "effpretrain/checkpoint/commit.py",
+        '    shutil.rmtree(ckpt_root / f"step-{step}.tmp-{pid or os.getpid()}", ignore_errors=True)',
+        "    pass",
+        (
+            "tests/test_full_disk.py::test_a_file_size_limit_hit_in_a_sharded_save_stops_every_rank_in_one_line",
+        ),
+    ),
 )
 
 
