@@ -19,6 +19,7 @@ from effpretrain.loss import token_loss_sum
 from effpretrain.models import FACTOR_KINDS, apply_factorization, build_model, set_activation_checkpointing
 from effpretrain.models.factorized import begin_warm_start_
 from effpretrain.models.llama import load_hf_config, model_shape
+from effpretrain.models.quantize import quantize_weights_
 
 
 def build_run_model(cfg: RunConfig, vocab_size: int) -> tuple[torch.nn.Module, dict[str, Any] | None]:
@@ -88,7 +89,8 @@ def place_model(
 ) -> torch.nn.Module:
     """Places a built model as the trainer does, before any DDP or FSDP2 wrapping: a warm start's
     frozen start (`factor.warm_start_steps`), activation checkpointing of the `checkpointed`
-    layers, bf16 weights for ``bf16-pure``, the device, and `train.compile`'s compiled blocks."""
+    layers, bf16 weights for ``bf16-pure``, the device, INT8 target weights for
+    ``train.weight_quant: int8``, and `train.compile`'s compiled blocks."""
 
     if cfg.factor.warm_start_steps:
         begin_warm_start_(model)  # before DDP wraps it: DDP reduces what requires grad now
@@ -96,6 +98,8 @@ def place_model(
     if cfg.train.precision == "bf16-pure":
         model = model.to(torch.bfloat16)
     model = model.to(device)
+    if cfg.train.weight_quant == "int8":  # after the dtype and the device: INT8 from here on
+        quantize_weights_(model, cfg.optim.targets, cfg.train.weight_quant_group)
     if cfg.train.compile:
         compile_blocks(model)  # before sharding: FSDP2 then wraps the compiled blocks
     return model

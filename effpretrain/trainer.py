@@ -29,6 +29,7 @@ from effpretrain.checkpoint import Checkpointer, find_resume
 from effpretrain.checkpoint import complete_checkpoints as _complete_checkpoints
 from effpretrain.compile import check_compilable, compile_seconds
 from effpretrain.config import RunConfig, dump_yaml
+from effpretrain.config.checks import stochastic_rounding
 from effpretrain.errors import ConfigError
 from effpretrain.evaluation import EvalResult, evaluate_checkpoint
 from effpretrain.in_backward import InBackward
@@ -41,6 +42,7 @@ from effpretrain.reporting import RunClock, RunReport, build_summary
 from effpretrain.run_model import build_run_model, place_model
 from effpretrain.run_state import EXACTNESS_KEYS, DataPosition, OptionalPart, Progress, RngState, RunFacts
 from effpretrain.signals import StopSignals
+from optimizers import writer
 from optimizers._sharded import local as _local
 
 __all__ = [
@@ -175,6 +177,10 @@ class Trainer:
         return layers
 
     def _set_up_model_and_optimizer(self, model: torch.nn.Module) -> None:
+        # Weights stored in fewer bits than fp32 round each update once (`optimizers.writer`):
+        # stochastically with noise keyed by the seed, the parameter's index and the step.
+        self.rounding = writer.Rounding(stochastic_rounding(self.cfg), seed=self.cfg.train.seed)
+        writer.attach(list(enumerate(self.launch.unwrap(model).parameters())), self.rounding)
         opt, self.sched = build_optimizer_and_schedule(model, self.cfg)
         self.inner_opt = opt
         self.in_backward: InBackward | None = None
@@ -434,6 +440,7 @@ class Trainer:
         passes (`effpretrain.in_backward`); what is left is the wrapper's bookkeeping (restarts),
         which ``optimizer.step()`` runs on no gradients, and the schedule."""
         snap = self.stream.snapshot()
+        self.rounding.step = self.progress.step + 1  # the step whose updates land now (in backward too)
         loss = self._forward_backward()
         gnorm, finite = self.launch.finish_step(self.model, self.in_backward, loss)
         if self.in_backward is not None:

@@ -338,7 +338,7 @@ METHODS: dict[str, MethodSpec] = {
     for s in (
         _spec(
             name="adamw",
-            target="torch.optim:AdamW",
+            target="optimizers.adamw:AdamW",
             # foreach: torch's fastest CPU/GPU path that is also deterministic.
             defaults={"foreach": True},
             state_bytes_fn=_torch_adamw_state_bytes,

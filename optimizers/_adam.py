@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 import torch
 
 from optimizers._sharded import local
+from optimizers.writer import written
 
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _HAS_FUSED_ADAM = hasattr(torch, "_fused_adam_")  # torch.optim.Adam(fused=True)'s kernel
@@ -233,11 +234,12 @@ def adamw_step_(
     torch.optim.AdamW's single-tensor path (decay first, lerp for m, eps added after the
     bias-corrected sqrt), so that it is bitwise torch's; `step` is the already advanced count t.
     `lr_mult` scales the Adam step only, not the decay (Stable-SPAM's)."""
-    p.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    step_size = lr / (1 - beta1**step)
-    if lr_mult != 1.0:
-        step_size = step_size * lr_mult
-    denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
-    p.addcdiv_(exp_avg, denom, value=-step_size)
+    with written(p) as w:  # one rounding for a weight stored in fewer bits (`optimizers.writer`)
+        w.mul_(1 - lr * weight_decay)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        step_size = lr / (1 - beta1**step)
+        if lr_mult != 1.0:
+            step_size = step_size * lr_mult
+        denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
+        w.addcdiv_(exp_avg, denom, value=-step_size)

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from optimizers._sharded import COMM, is_dtensor, local, nonzero_flags, whole, write_whole_
+from optimizers.writer import written
 
 DEFAULT_BUCKET_BYTES = 1 << 26
 """Bytes of whole W and G one owner gathers per bucket (64 MiB; a larger parameter goes alone)."""
@@ -380,7 +381,8 @@ class OwnerRanks:
         if self.world == 1:
             for p in bucket:
                 if new[p] is not local(p) and new[p].data_ptr() != local(p).data_ptr():
-                    local(p).copy_(new[p])
+                    with written(p) as w:  # its rows, rounded once where stored in fewer bits
+                        w.copy_(new[p])
             return
         device = local(bucket[0]).device
         send: list[list[torch.Tensor]] = [[] for _ in range(self.world)]

@@ -125,12 +125,16 @@ def row_sharded_like(p: torch.Tensor, mine: torch.Tensor, shape: tuple[int, ...]
 
 def write_whole_(t: torch.Tensor, new: torch.Tensor) -> None:
     """t <- new, where `new` is the whole tensor, identical on every rank; a DTensor `t` keeps only
-    its own shard of it (no communication)."""
+    its own shard of it (no communication). Written through `optimizers.writer.written`: one
+    rounding of `new` (fp32, or `t`'s dtype) into a weight stored in fewer bits."""
+    from optimizers.writer import written
+
     if hasattr(t, "device_mesh"):
         from torch.distributed.tensor import distribute_tensor
 
-        new = distribute_tensor(new.to(t.dtype), t.device_mesh, t.placements, src_data_rank=None)
-    t.copy_(new)
+        new = distribute_tensor(new, t.device_mesh, t.placements, src_data_rank=None).to_local()
+    with torch.no_grad(), written(t) as w:
+        w.copy_(new)
 
 
 def _sample(g: torch.Tensor, size: int = 256) -> torch.Tensor:

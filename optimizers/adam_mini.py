@@ -10,6 +10,7 @@ import torch
 
 from optimizers._owners import DEFAULT_BUCKET_BYTES, OwnerPlaced
 from optimizers._sharded import is_dtensor
+from optimizers.writer import written
 
 #: Group key: how many consecutive dim-0 slices (rows) form one block; None: the default partition.
 BLOCK_ROWS = "block_rows"
@@ -135,13 +136,14 @@ class AdamMini(OwnerPlaced, torch.optim.Optimizer):
         v.mul_(beta2).add_(torch.mean(g * g, dim=1), alpha=1.0 - beta2)
         state["step"] += 1
         t = state["step"]
-        if group["weight_decay"] > 0.0:
-            p.mul_(1.0 - lr * group["weight_decay"])
         m.lerp_(grad, 1.0 - beta1)
         denom = (v.sqrt() / math.sqrt(1.0 - beta2**t)).add_(group["eps"])
         factor = (1.0 / (1.0 - beta1**t)) / denom
         update = (m.reshape(blocks, -1) * factor.view(blocks, 1)).view(p.shape)
-        p.add_(update.mul_(lr), alpha=-1.0)
+        with written(p) as w:
+            if group["weight_decay"] > 0.0:
+                w.mul_(1.0 - lr * group["weight_decay"])
+            w.add_(update.mul_(lr), alpha=-1.0)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

@@ -9,6 +9,7 @@ import torch
 
 from optimizers._matrix import MatrixOptimizer, newton_schulz_orthogonalise
 from optimizers.momentum_reset import RESET_KEYS
+from optimizers.writer import written
 
 MOMENTUM_BUFFER = "momentum_buffer"
 """B, Muon's momentum (torch.optim.Muon's key)."""
@@ -87,8 +88,9 @@ class Muon(MatrixOptimizer):
         buf.lerp_(g, 1.0 - mu)
         u = g.lerp(buf, mu) if group["nesterov"] else buf
         o = newton_schulz_orthogonalise(u, group["ns_coefficients"], int(group["ns_steps"]), group["ns_eps"])
-        p.mul_(1.0 - lr * group["weight_decay"])
-        p.add_(o, alpha=-adjusted_lr(lr, tuple(p.shape), group["adjust_lr"]))
+        with written(p) as w:
+            w.mul_(1.0 - lr * group["weight_decay"])
+            w.add_(o, alpha=-adjusted_lr(lr, tuple(p.shape), group["adjust_lr"]))
 
     @classmethod
     def matrix_state_bytes(cls, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:

@@ -117,6 +117,7 @@ from optimizers.bases import (
     SeededRandomBasis,
     refresh_due,
 )
+from optimizers.writer import written
 
 Direction = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 """D, a full-size tensor, or a factor pair (A, B) standing for D = A B."""
@@ -438,13 +439,15 @@ class ProjectedAdam(OwnerPlaced, torch.optim.Optimizer):
     def _apply_update(
         p: torch.Tensor, update: Direction, step_size: float, group: dict[str, Any], alpha: float = 1.0
     ) -> None:
-        """W <- W - eta_t alpha D, with decoupled weight decay before (torch) or after (reference)."""
-        _decay(p, group, before=True)
-        if isinstance(update, tuple):
-            p.addmm_(update[0], update[1], alpha=-step_size * alpha)
-        else:
-            p.add_(update, alpha=-step_size * alpha)
-        _decay(p, group, before=False)
+        """W <- W - eta_t alpha D, with decoupled weight decay before (torch) or after (reference),
+        written once (`optimizers.writer.written`)."""
+        with written(p) as w:
+            _decay(w, group, before=True)
+            if isinstance(update, tuple):
+                w.addmm_(update[0], update[1], alpha=-step_size * alpha)
+            else:
+                w.add_(update, alpha=-step_size * alpha)
+            _decay(w, group, before=False)
 
     # ------------------------------------------------------------------ step
 

@@ -10,6 +10,7 @@ import torch
 from optimizers._matrix import MatrixOptimizer
 from optimizers._sharded import local
 from optimizers.momentum_reset import RESET_KEYS
+from optimizers.writer import written
 
 MOMENT1 = "moment1"
 """M, the head's momentum (the reference code's key)."""
@@ -70,8 +71,9 @@ class SCALE(MatrixOptimizer):
         if group["role"] == "head":
             g = local(state[MOMENT1]).lerp_(g, 1.0 - group["momentum"])
         d = unit_rms(g, dim=0 if group["role"] == "embedding" else 1)
-        p.mul_(1.0 - group["lr"] * group["weight_decay"])
-        p.add_(d.to(p.dtype), alpha=-group["lr"])
+        with written(p) as w:
+            w.mul_(1.0 - group["lr"] * group["weight_decay"])
+            w.add_(d.to(w.dtype), alpha=-group["lr"])
 
     @classmethod
     def matrix_state_bytes(cls, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:

@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import torch
 
 from optimizers._matrix import MatrixOptimizer
+from optimizers.writer import written
 
 
 def sinkhorn_normalise(g: torch.Tensor, iterations: int, eps: float = 1e-30) -> torch.Tensor:
@@ -51,8 +52,9 @@ class SinkGD(MatrixOptimizer):
         self, p: torch.Tensor, g: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
     ) -> None:
         d = sinkhorn_normalise(g, int(group["iterations"]))
-        p.mul_(1.0 - group["lr"] * group["weight_decay"])
-        p.add_(d.to(p.dtype), alpha=-group["lr"])
+        with written(p) as w:
+            w.mul_(1.0 - group["lr"] * group["weight_decay"])
+            w.add_(d.to(w.dtype), alpha=-group["lr"])
 
 
 __all__ = ["SinkGD", "sinkhorn_normalise"]

@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 import torch
 
 from optimizers._matrix import MatrixOptimizer
+from optimizers.writer import written
 
 
 def grad_norm(g: torch.Tensor, eps: float) -> torch.Tensor:
@@ -78,8 +79,9 @@ class SWAN(MatrixOptimizer):
         d = grad_whitening(x, int(group["ns_steps"]))
         if group["rescale"]:
             d = d * (x.norm() / d.norm().clamp_min(1e-30))
-        p.mul_(1.0 - group["lr"] * group["weight_decay"])
-        p.add_(d.to(p.dtype), alpha=-group["lr"])
+        with written(p) as w:
+            w.mul_(1.0 - group["lr"] * group["weight_decay"])
+            w.add_(d.to(w.dtype), alpha=-group["lr"])
 
 
 __all__ = ["SWAN", "grad_norm", "grad_whitening", "inverse_sqrt_newton_schulz"]

@@ -113,6 +113,7 @@ def validate(cfg: RunConfig, source: str = "config") -> RunConfig:
         raise ConfigError(f"{source}: train.activation_checkpointing=auto needs train.memory_budget_gb")
     _check_method_needs(cfg, source)
     _check_in_backward_refresh(cfg, source)
+    _check_weight_quant(cfg, source)
     if cfg.restarts.every and cfg.restarts.refactorize and cfg.factor.kind != "none":
         spec = factor_spec(cfg.factor.kind)
         if not (spec.refactorizable or spec.merges_at_restart):
@@ -163,3 +164,18 @@ def _check_in_backward_refresh(cfg: RunConfig, source: str) -> None:
     )
     if why:
         raise ConfigError(f"{source}: train.in_backward_refresh={t.in_backward_refresh} {why}")
+
+
+def stochastic_rounding(cfg: RunConfig) -> bool:
+    """`train.stochastic_rounding` resolved: `auto` is on exactly for INT8 weights."""
+    sr = cfg.train.stochastic_rounding
+    return cfg.train.weight_quant == "int8" if sr == "auto" else bool(sr)
+
+
+def _check_weight_quant(cfg: RunConfig, source: str) -> None:
+    """INT8 weights compose with everything but compilation (their matmul is a Python-level
+    function of the codes, which a compiled block would have to trace)."""
+    if cfg.train.weight_quant == "int8" and cfg.train.compile:
+        raise ConfigError(
+            f"{source}: train.weight_quant=int8 does not compose with train.compile yet; set one"
+        )

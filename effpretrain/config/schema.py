@@ -224,6 +224,20 @@ class TrainConfig:
     precision: Precision = "fp32"
     """`fp32`; `bf16-mixed` (fp32 weights and states, bf16 autocast); `bf16-pure` (bf16 weights,
     gradients and states: the paper's)."""
+    weight_quant: Literal["none", "int8"] = "none"
+    """`int8`: the target linear weights (`optim.targets` that stay plain linear layers: attention
+    and MLP projections) are stored as int8 codes with one fp32 scale per `weight_quant_group`
+    columns of a row, dequantized for each matmul (in fp32, or bf16 with `bf16-pure`), every update
+    rounded into them once through the one writer (`optimizers.writer`), stochastically unless
+    `stochastic_rounding: false`. Embedding, head and norms stay in `precision`. Bytes per m x n
+    weight: m n + 4 m ceil(n / group) (`effpretrain.models.quantize`)."""
+    weight_quant_group: PositiveInt = 128
+    """Columns per INT8 scale group (`weight_quant: int8`)."""
+    stochastic_rounding: Literal["auto"] | bool = "auto"
+    """How an update is rounded into a weight stored in fewer bits than fp32 (INT8 codes, or bf16
+    weights with `bf16-pure`): `true`, unbiased stochastic rounding with counter-based noise (keyed
+    by seed, parameter, step and element: the same in every launch mode and on every device);
+    `false`, to nearest (once per step); `auto`: on for `weight_quant: int8`, off otherwise."""
     activation_checkpointing: Annotated[int | str, CHECKPOINTING, BOOL_AS_INT] = 0
     """0 (or false): off; k: checkpoint every k-th decoder layer (1 or true: all); `auto`: the
     fewest layers whose checkpointing brings the estimated peak within `train.memory_budget_gb`

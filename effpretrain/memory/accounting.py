@@ -41,12 +41,25 @@ __all__ = [
     "peak_memory_bytes",
     "saved_tensor_bytes",
     "storage_of",
+    "storages_of",
     "tensor_bytes",
     "watch_fsdp2_resizes",
 ]
 
 #: The categories in priority order: a storage shared by two counts in the first.
 CATEGORIES: tuple[str, ...] = ("weights", "gradients", "optimizer_state", "activations")
+
+
+def storages_of(t: Any) -> list[torch.UntypedStorage]:
+    """The storages behind `t`: its own (`storage_of`), or, for a tensor subclass that wraps others
+    (an INT8 weight: its codes and scales), theirs."""
+    if isinstance(t, torch.Tensor):
+        inner = _local(t)
+        if is_traceable_wrapper_subclass(inner):
+            names, _ = inner.__tensor_flatten__()
+            return [st for n in names for st in storages_of(getattr(inner, n))]
+    st = storage_of(t)
+    return [] if st is None else [st]
 
 
 def storage_of(t: Any) -> torch.UntypedStorage | None:
@@ -120,10 +133,7 @@ class StorageLog:
         return not any(sid in self.cats[c] for c in CATEGORIES[:3])
 
     def add(self, category: str, tensors: Iterable[Any], allocated: bool = False) -> None:
-        for t in tensors:
-            st = storage_of(t)
-            if st is None:
-                continue
+        for st in (st for t in tensors for st in storages_of(t)):
             sid = self.id_of(st, allocated)
             if category != "activations" and sid in self.cats["activations"] and self._plain(sid):
                 # A saved storage that becomes a gradient (autograd keeps the chunked loss's saved
@@ -204,13 +214,11 @@ class Meter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         for t in pytree.tree_leaves((args, kwargs)):
-            st = storage_of(t)
-            if st is not None:
+            for st in storages_of(t):
                 self.reg.id_of(st, allocated=False)
         out = func(*args, **(kwargs or {}))
         for t in pytree.tree_leaves(out):
-            st = storage_of(t)
-            if st is not None:
+            for st in storages_of(t):
                 self.reg.id_of(st, allocated=True)
         return out
 

@@ -230,6 +230,11 @@ class EstimateOptions:
     in_backward_refresh: str = "accumulated"
     """``train.in_backward_refresh``: ``first_micro`` keeps a refreshing matrix's accumulator low
     rank at a refresh step too (its basis comes from the first micro-batch's gradient)."""
+    weight_quant: str = "none"
+    """``train.weight_quant``: ``int8`` stores the target linear weights (``optim.targets`` that
+    are not factorized) as int8 codes with one fp32 scale per `weight_quant_group` columns:
+    ``m n + 4 m ceil(n / g)`` bytes each; they compute (gradients, state) in the run's dtype."""
+    weight_quant_group: int = 128
 
 
 def estimate(preset: str | ModelShape, method: str = "adamw", **options: Any) -> Estimate:
@@ -289,6 +294,7 @@ def _param_tally(
     mspec = optimizers.method_spec(method)
     shard = o.world_size if o.sharding == "fsdp2" else 1
     t = _Tally(mspec, prec.params, shard)
+    t.int8_group = o.weight_quant_group if o.weight_quant == "int8" else 0
     t.low_rank_acc = shard == 1 and o.grad_clip <= 0
     t.refresh_ahead = t.low_rank_acc and o.in_backward_refresh == "first_micro"
     _tally_params(
@@ -424,6 +430,8 @@ def _estimate_config(
         update_in_backward=cfg.train.update_in_backward,
         grad_clip=cfg.train.grad_clip,
         in_backward_refresh=cfg.train.in_backward_refresh,
+        weight_quant=cfg.train.weight_quant,
+        weight_quant_group=cfg.train.weight_quant_group,
     )
 
 

@@ -15,6 +15,7 @@ from effpretrain.memory.in_backward_terms import lowrank_accumulator_bytes
 from effpretrain.models.factorized import FactorSpec
 from effpretrain.models.llama import ModelShape, build_llama_config, model_class
 from effpretrain.optim_setup import HEAD_TARGETS
+from optimizers.rounding import int8_nbytes
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,8 @@ class _Tally:
     largest_grad: int = 0
     largest_unit: int = 0
     unit_transient: int = 0  # set by `finish`: the largest rank's (`unit_transient_ranks`)
+    int8_group: int = 0  # INT8 target weights' group size (0: none); `quant` marks the tensor being tallied
+    quant: bool = False
     low_rank_acc: bool = False  # low-rank accumulators allowed (one shard, clipping off)
     refresh_ahead: bool = False  # and kept low rank at a refresh (the first micro-batch's basis)
 
@@ -211,12 +214,20 @@ class _Tally:
         self.state = max(self.state_ranks)
         self.transient, self.unit_transient = max(self.transient_ranks), max(self.unit_transient_ranks)
 
+    def weight_bytes(self, shape: tuple[int, ...]) -> int:
+        """Bytes a weight of `shape` is stored in: the dtype's, or INT8 codes and scales for a
+        quantized target (`quant`)."""
+        if self.quant and len(shape) == 2 and shape[0]:
+            return int8_nbytes(tuple(shape), self.int8_group)
+        return math.prod(shape) * self.dtype.itemsize
+
     def stored_weight(self, shape: tuple[int, ...]) -> None:
         """A parameter's storage on this rank, and its FSDP2 unit's (unsharded and rank 0's)."""
-        self.weights += self.stored(shape)
+        mine = self.weight_bytes(self.mine(shape))
+        self.weights += mine
         u = self.fsdp_unit
-        self.unit_full[u] = self.unit_full.get(u, 0) + math.prod(shape) * self.dtype.itemsize
-        self.unit_mine[u] = self.unit_mine.get(u, 0) + self.stored(shape)
+        self.unit_full[u] = self.unit_full.get(u, 0) + self.weight_bytes(shape)
+        self.unit_mine[u] = self.unit_mine.get(u, 0) + mine
 
 
 def _tally_factorized(
@@ -293,6 +304,8 @@ def _tally_params(
             t.params += _tally_factorized(t, *s.shape, factor, factor_rank, density, warm_start, restarts)
             continue
         target = s.linear in proj_targets
+        # `train.weight_quant: int8`: a target linear layer's weight (its bias stays as it is).
+        t.quant = bool(t.int8_group) and target and s.name.endswith(".weight") and len(s.shape) == 2
         # nn.Embedding's weight is the only 2-D parameter of the model that no nn.Linear holds.
         role = t.method.matrix_role(target=target, embedding=s.linear is None, ndim=len(s.shape))
         if proj_group is not None and target:
@@ -304,6 +317,7 @@ def _tally_params(
             if heads and s.name.endswith(".bias"):  # a linear layer's bias (the trainer's groups)
                 group = t.method.bias_group()
         t.trainable_tensor(s.shape, group)
+        t.quant = False
         t.params += math.prod(s.shape)
         t.trainable += math.prod(s.shape)
     t.weights += t.index_bytes  # a buffer: not sharded
