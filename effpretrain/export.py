@@ -29,6 +29,10 @@ def export(run_or_ckpt: str | Path, out: str | Path) -> Path:
     """Writes the merged model of the newest complete checkpoint of a run (or of one checkpoint)."""
 
     path = resolve_checkpoint(run_or_ckpt, "export")
+    if not (path / "dcp").is_dir() and (path / "model.safetensors").is_file():
+        cfg = validate(from_dict(_trainer_state(path)["config"], str(path)), str(path))
+        if cfg.train.weight_quant == "int8":
+            return _export_streaming(path, cfg, Path(out))
     state = load_checkpoint(path)
     cfg = validate(from_dict(state["trainer"]["config"], str(path)), str(path))
     weights = read_model_state(path, state)  # whole, also from an FSDP2 run's sharded dcp/
@@ -60,6 +64,96 @@ def export(run_or_ckpt: str | Path, out: str | Path) -> Path:
         layers,
         out,
     )
+    return out
+
+
+#: Bytes of tensors per file of a streamed export (the index names each tensor's file).
+SHARD_BYTES = 2 * 1024**3
+
+
+def _trainer_state(path: Path) -> dict:
+    try:
+        return torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
+    except Exception as e:
+        msg = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        raise ConfigError(f"checkpoint {path}: trainer.pt refused or corrupt ({msg})") from None
+
+
+def _export_streaming(path: Path, cfg, out: Path) -> Path:
+    """An INT8 run's export, one tensor at a time: each tensor is read from the checkpoint's
+    safetensors file (an INT8 weight's codes and scales dequantized to fp32), written into the
+    current output file of at most `SHARD_BYTES`, with HF's index beside them; the model is never
+    built, so the memory is one output file's tensors (no INT8 run is factorized: its quantized
+    layers are plain linear ones, whose checkpoint keys are already HF's)."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from effpretrain.models.quantize import CODES_SUFFIX, SCALE_SUFFIX
+    from effpretrain.run_model import build_hf_config
+    from optimizers.rounding import dequantize_int8
+
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"export: --out {out} exists and is not empty")
+    out.mkdir(parents=True, exist_ok=True)
+    files: list[dict[str, torch.Tensor]] = [{}]
+    index: dict[str, str] = {}
+    sizes = [0]
+    total = 0
+
+    def flush(last: bool = False) -> None:
+        if not files[-1]:
+            return
+        save_file(files[-1], str(out / f"part-{len(sizes):05d}.safetensors"), metadata={"format": "pt"})
+        files[-1] = {}
+        if not last:
+            sizes.append(0)
+
+    vocab = None
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        keys = list(f.keys())
+        for k in keys:
+            if k.endswith(SCALE_SUFFIX):
+                continue
+            if k.endswith(CODES_SUFFIX):
+                base = k[: -len(CODES_SUFFIX)]
+                name = base + "weight"
+                t = dequantize_int8(
+                    f.get_tensor(k), f.get_tensor(base + SCALE_SUFFIX), cfg.train.weight_quant_group
+                )
+            else:
+                name, t = k, f.get_tensor(k).to(torch.float32)
+            if name == "model.embed_tokens.weight":
+                vocab = t.shape[0]
+            nbytes = t.numel() * t.element_size()
+            if sizes[-1] and sizes[-1] + nbytes > SHARD_BYTES:
+                flush()
+            files[-1][name] = t.contiguous()
+            sizes[-1] += nbytes
+            total += nbytes
+            index[name] = f"part-{len(sizes):05d}.safetensors"
+    flush(last=True)
+    n = len(sizes)
+    renamed = {}
+    for i in range(1, n + 1):
+        final = f"model-{i:05d}-of-{n:05d}.safetensors" if n > 1 else "model.safetensors"
+        (out / f"part-{i:05d}.safetensors").rename(out / final)
+        renamed[f"part-{i:05d}.safetensors"] = final
+    if n > 1:
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": {k: renamed[v] for k, v in index.items()}},
+                indent=2,
+            )
+        )
+    if vocab is None:
+        raise ConfigError(f"export: checkpoint {path} holds no model.embed_tokens.weight")
+    hf = build_hf_config(cfg, vocab)
+    hf.dtype = torch.float32
+    hf.save_pretrained(out)
+    _save_tokenizer(cfg, out)
+    log.info("exported %s (INT8 weights dequantized, %d file(s), streamed) to %s", path, n, out)
     return out
 
 

@@ -18,7 +18,7 @@ from effpretrain.errors import ConfigError
 from effpretrain.loss import token_loss_sum
 from effpretrain.models import FACTOR_KINDS, apply_factorization, build_model, set_activation_checkpointing
 from effpretrain.models.factorized import begin_warm_start_
-from effpretrain.models.llama import load_hf_config, model_shape
+from effpretrain.models.llama import build_llama_config, load_hf_config, model_shape
 from effpretrain.models.quantize import quantize_weights_
 
 
@@ -59,6 +59,15 @@ def build_run_model(cfg: RunConfig, vocab_size: int) -> tuple[torch.nn.Module, d
         except ValueError as e:
             raise ConfigError(f"factor: {e}") from None
     return model, report
+
+
+def build_hf_config(cfg: RunConfig, vocab_size: int) -> Any:
+    """The transformers config of the run's model (``model.config``'s, checked; or the preset's
+    with the run's positions), without building the model."""
+    if cfg.model.config:
+        return run_hf_config(cfg, vocab_size)
+    max_pos = cfg.model.max_position_embeddings or cfg.data.seq_len
+    return build_llama_config(cfg.model.preset, vocab_size, max_pos)
 
 
 def run_hf_config(cfg: RunConfig, vocab_size: int) -> Any:

@@ -70,6 +70,7 @@ from optimizers import FACTOR_PAIRS_KEY as PAIRS_KEY
 from optimizers._sharded import is_dtensor, local, shard_group, whole, write_whole_
 from optimizers.projected_adam import ADAM_CONVENTIONS, _decay, adam_update
 from optimizers.refactorization import balanced_factors
+from optimizers.writer import written
 
 __all__ = ["PAIRS_KEY", "LOROAdamW", "riemannian_step"]
 
@@ -244,10 +245,10 @@ class LOROAdamW(torch.optim.Optimizer):
     def _plain_step(self, p: Tensor, group: dict[str, Any]) -> None:
         state = self._init_state(p, paired=group[PAIRS_KEY])
         norm, step_size = self._adam(p, state, group)
-        w = local(p)
-        _decay(w, group, before=True)
-        w.add_(norm, alpha=-step_size)
-        _decay(w, group, before=False)
+        with written(p) as w:
+            _decay(w, group, before=True)
+            w.add_(norm, alpha=-step_size)
+            _decay(w, group, before=False)
 
     def _pair_step(self, B: Tensor, A: Tensor, group: dict[str, Any]) -> None:
         """One update of the pair: Adam directions for both, then the lazy or the exact step."""
@@ -264,10 +265,10 @@ class LOROAdamW(torch.optim.Optimizer):
         if scale is None:
             scale = B.shape[1] / min(B.shape[0], A.shape[1])
         for p, norm in ((B, nB), (A, nA)):
-            w = local(p)
-            _decay(w, group, before=True)
-            w.add_(norm, alpha=-eta * scale)
-            _decay(w, group, before=False)
+            with written(p) as w:
+                _decay(w, group, before=True)
+                w.add_(norm, alpha=-eta * scale)
+                _decay(w, group, before=False)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 
 from effpretrain.config.types import (
     ATTN_MLP_TARGETS,
+    AUTO_OR_BOOL,
     BOOL_AS_INT,
     CHECKPOINTING,
     Basis,
@@ -233,7 +234,7 @@ class TrainConfig:
     weight: m n + 4 m ceil(n / group) (`effpretrain.models.quantize`)."""
     weight_quant_group: PositiveInt = 128
     """Columns per INT8 scale group (`weight_quant: int8`)."""
-    stochastic_rounding: Literal["auto"] | bool = "auto"
+    stochastic_rounding: Annotated[bool | str, AUTO_OR_BOOL] = "auto"
     """How an update is rounded into a weight stored in fewer bits than fp32 (INT8 codes, or bf16
     weights with `bf16-pure`): `true`, unbiased stochastic rounding with counter-based noise (keyed
     by seed, parameter, step and element: the same in every launch mode and on every device);

@@ -47,6 +47,7 @@ BOOL_AS_INT = "bool-as-int"
 POSITIVE = Check("> 0", lambda v: v > 0)
 NON_NEGATIVE = Check(">= 0", lambda v: v >= 0)
 CHECKPOINTING = Check("(an int >= 0, or `auto`)", lambda v: v == "auto" or (isinstance(v, int) and v >= 0))
+AUTO_OR_BOOL = Check("`auto`, true or false", lambda v: v == "auto" or isinstance(v, bool))
 FRACTION = Check("in [0, 1]", lambda v: 0 <= v <= 1)
 BETA = Check("in [0, 1)", lambda v: 0 <= v < 1)
 # numpy's seed range: accelerate's set_seed seeds numpy too.
