@@ -108,7 +108,12 @@ def place_model(
         model = model.to(torch.bfloat16)
     model = model.to(device)
     if cfg.train.weight_quant == "int8":  # after the dtype and the device: INT8 from here on
-        quantize_weights_(model, cfg.optim.targets, cfg.train.weight_quant_group)
+        quantize_weights_(
+            model,
+            cfg.optim.targets,
+            cfg.train.weight_quant_group,
+            embeddings=cfg.train.weight_quant_embeddings,
+        )
     if cfg.train.compile:
         compile_blocks(model)  # before sharding: FSDP2 then wraps the compiled blocks
     return model

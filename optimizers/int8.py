@@ -126,6 +126,13 @@ class Int8Weight(torch.Tensor):
         if func is F.linear and len(args) >= 2 and isinstance(args[1], Int8Weight):
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             return _Int8Linear.apply(args[0], args[1], bias)
+        if func is F.embedding and len(args) >= 2 and isinstance(args[1], Int8Weight):
+            ids, w, padding_idx, max_norm, _, by_freq, sparse = _embedding_args(*args, **kwargs)
+            if max_norm is not None or by_freq or sparse:
+                raise NotImplementedError("an INT8 embedding supports plain lookups only")
+            if padding_idx is not None and padding_idx < 0:
+                padding_idx += w.shape[0]
+            return _Int8Embedding.apply(ids, w, padding_idx)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -176,3 +183,41 @@ class _Int8Linear(torch.autograd.Function):
             gw = (gy.reshape(-1, gy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])).to(w.dtype)
         gb = gy.reshape(-1, gy.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb
+
+
+def _embedding_args(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    padding_idx: int | None = None,
+    max_norm: float | None = None,
+    norm_type: float = 2.0,
+    scale_grad_by_freq: bool = False,
+    sparse: bool = False,
+) -> tuple:
+    """F.embedding's arguments, by position or by name."""
+    return input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse
+
+
+class _Int8Embedding(torch.autograd.Function):
+    """rows = W[ids] with W an `Int8Weight`: only the looked-up rows are dequantized (ids.numel()
+    x n); the gradient is W's shape, dense, as a dense embedding's (the rows' sums at their ids)."""
+
+    @staticmethod
+    def forward(ctx: Any, ids: torch.Tensor, w: Int8Weight, padding_idx: int | None) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.w, ctx.padding_idx = w, padding_idx
+        flat = ids.reshape(-1)
+        rows = rounding.dequantize_int8(w.codes[flat], w.scales[flat], w.group, w.dtype)
+        return rows.reshape(*ids.shape, w.shape[1])
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (ids,) = ctx.saved_tensors
+        w = ctx.w
+        gw = torch.zeros(w.shape, dtype=w.dtype, device=gy.device)
+        flat = ids.reshape(-1)
+        g = gy.reshape(-1, w.shape[1]).to(w.dtype)
+        if ctx.padding_idx is not None:
+            g = g.masked_fill((flat == ctx.padding_idx).unsqueeze(1), 0)
+        gw.index_add_(0, flat, g)
+        return None, gw, None

@@ -234,6 +234,9 @@ class TrainConfig:
     weight: m n + 4 m ceil(n / group) (`effpretrain.models.quantize`)."""
     weight_quant_group: PositiveInt = 128
     """Columns per INT8 scale group (`weight_quant: int8`)."""
+    weight_quant_embeddings: bool = False
+    """With `weight_quant: int8`, the input embedding and the head too (a lookup dequantizes only
+    the rows it reads); by default they stay in `precision`."""
     stochastic_rounding: Annotated[bool | str, AUTO_OR_BOOL] = "auto"
     """How an update is rounded into a weight stored in fewer bits than fp32 (INT8 codes, or bf16
     weights with `bf16-pure`): `true`, unbiased stochastic rounding with counter-based noise (keyed

@@ -235,6 +235,8 @@ class EstimateOptions:
     are not factorized) as int8 codes with one fp32 scale per `weight_quant_group` columns:
     ``m n + 4 m ceil(n / g)`` bytes each; they compute (gradients, state) in the run's dtype."""
     weight_quant_group: int = 128
+    weight_quant_embeddings: bool = False
+    """``train.weight_quant_embeddings``: the input embedding and the head stored in INT8 too."""
 
 
 def estimate(preset: str | ModelShape, method: str = "adamw", **options: Any) -> Estimate:
@@ -295,6 +297,7 @@ def _param_tally(
     shard = o.world_size if o.sharding == "fsdp2" else 1
     t = _Tally(mspec, prec.params, shard)
     t.int8_group = o.weight_quant_group if o.weight_quant == "int8" else 0
+    t.int8_embeddings = t.int8_group > 0 and o.weight_quant_embeddings
     t.low_rank_acc = shard == 1 and o.grad_clip <= 0
     t.refresh_ahead = t.low_rank_acc and o.in_backward_refresh == "first_micro"
     _tally_params(
@@ -432,6 +435,7 @@ def _estimate_config(
         in_backward_refresh=cfg.train.in_backward_refresh,
         weight_quant=cfg.train.weight_quant,
         weight_quant_group=cfg.train.weight_quant_group,
+        weight_quant_embeddings=cfg.train.weight_quant_embeddings,
     )
 
 

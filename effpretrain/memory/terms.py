@@ -115,6 +115,7 @@ class _Tally:
     unit_transient: int = 0  # set by `finish`: the largest rank's (`unit_transient_ranks`)
     int8_group: int = 0  # INT8 target weights' group size (0: none); `quant` marks the tensor being tallied
     quant: bool = False
+    int8_embeddings: bool = False
     low_rank_acc: bool = False  # low-rank accumulators allowed (one shard, clipping off)
     refresh_ahead: bool = False  # and kept low rank at a refresh (the first micro-batch's basis)
 
@@ -306,6 +307,7 @@ def _tally_params(
         target = s.linear in proj_targets
         # `train.weight_quant: int8`: a target linear layer's weight (its bias stays as it is).
         t.quant = bool(t.int8_group) and target and s.name.endswith(".weight") and len(s.shape) == 2
+        t.quant |= t.int8_embeddings and s.name in ("model.embed_tokens.weight", "lm_head.weight")
         # nn.Embedding's weight is the only 2-D parameter of the model that no nn.Linear holds.
         role = t.method.matrix_role(target=target, embedding=s.linear is None, ndim=len(s.shape))
         if proj_group is not None and target:

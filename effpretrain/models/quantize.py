@@ -93,12 +93,13 @@ def _load_pre_hook(
     state[prefix + "weight"] = w  # loads as itself (a no-op copy), so strict loading sees it
 
 
-def quantize_linear_(module: torch.nn.Linear, group: int) -> None:
+def quantize_linear_(module: torch.nn.Module, group: int) -> None:
     """Replaces `module`'s weight by its `Int8Weight` (to nearest; same dtype, device and
     requires_grad) and installs the state-dict hooks."""
     w = module.weight
-    q = Int8Weight.quantize(w.detach(), group, dtype=w.dtype)
-    module.weight = torch.nn.Parameter(q, requires_grad=w.requires_grad)
+    if not isinstance(w, Int8Weight):
+        q = Int8Weight.quantize(w.detach(), group, dtype=w.dtype)
+        module.weight = torch.nn.Parameter(q, requires_grad=w.requires_grad)
     if not getattr(module, "_effpretrain_int8_hooks", False):
         module._register_state_dict_hook(_state_dict_hook)
         module._register_load_state_dict_pre_hook(_load_pre_hook, with_module=True)
@@ -106,20 +107,35 @@ def quantize_linear_(module: torch.nn.Linear, group: int) -> None:
 
 
 def quantize_weights_(
-    model: torch.nn.Module, targets: Iterable[str], group: int, where: Callable[[str], bool] | None = None
+    model: torch.nn.Module,
+    targets: Iterable[str],
+    group: int,
+    where: Callable[[str], bool] | None = None,
+    embeddings: bool = False,
 ) -> int:
     """Quantizes the weight of every plain `torch.nn.Linear` of `model` whose attribute name is
-    in `targets` (and, with `where`, whose module name it accepts); returns how many."""
+    in `targets` (and, with `where`, whose module name it accepts), and with `embeddings` the
+    input embedding and the head (one weight when they are tied); returns how many."""
     from effpretrain.models.factorized import FactorizedLinear
 
     targets, n = set(targets), 0
+    edges, tied = set(), False
+    if embeddings:
+        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+        edges, tied = {id(embed), id(head)}, head is not None and head.weight is embed.weight
     for name, module in model.named_modules():
-        if type(module) is not torch.nn.Linear or isinstance(module, FactorizedLinear):
+        edge = id(module) in edges
+        if tied and module is head:
             continue
-        if name.rsplit(".", 1)[-1] in targets and (where is None or where(name)):
+        if not edge and (type(module) is not torch.nn.Linear or isinstance(module, FactorizedLinear)):
+            continue
+        if edge or (name.rsplit(".", 1)[-1] in targets and (where is None or where(name))):
             if not isinstance(module.weight, Int8Weight):
                 quantize_linear_(module, group)
                 n += 1
+    if tied:  # the head is the embedding's matrix: the same INT8 weight (stored once)
+        head.weight = embed.weight
+        quantize_linear_(head, group)
     return n
 
 
