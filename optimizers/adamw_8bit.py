@@ -18,6 +18,7 @@ import torch
 
 from optimizers._owners import DEFAULT_BUCKET_BYTES, OwnerPlaced
 from optimizers._sharded import is_dtensor, whole, write_whole_
+from optimizers.writer import needs_writer, value_fp32
 
 try:
     import bitsandbytes as bnb
@@ -115,12 +116,34 @@ class AdamW8bit(OwnerPlaced, bnb.optim.AdamW8bit):
         the state is then whole on every rank.
         """
         sharded = [(g, i, p) for g in self.param_groups for i, p in enumerate(g["params"]) if is_dtensor(p)]
-        if not sharded:
+        rounded = [
+            p
+            for g in self.param_groups
+            for p in g["params"]
+            if p.grad is not None and not is_dtensor(p) and needs_writer(p)
+        ]
+        if not sharded and not rounded:
             return super().step(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if rounded:
+            # A weight stored in fewer bits (bf16, INT8) steps as an fp32 copy (bitsandbytes'
+            # kernel writes its parameter in place), written back once through the writer.
+            values = {p: (value_fp32(p), p.grad.float()) for p in rounded}
+            for p, full in self._step_whole(values).items():
+                write_whole_(p, full)
+            held = [(p, p.grad) for p in rounded]
+            for p in rounded:
+                p.grad = None
+            try:
+                if not sharded:
+                    super().step()
+                    return loss
+            finally:
+                for p, grad in held:
+                    p.grad = grad
         owners = self.owner_ranks()
         if owners is None:
             stepped = self._step_whole(

@@ -146,6 +146,14 @@ def _store(p: torch.Tensor, t: torch.Tensor, w: torch.Tensor) -> None:
             t[r : r + rows].copy_(w[r : r + rows])
 
 
+def value_fp32(p: torch.Tensor) -> torch.Tensor:
+    """A fresh fp32 copy of `p`'s value (its local shard's, for a DTensor)."""
+    t = _local(p)
+    if isinstance(t, Int8Weight):
+        return t.dequantize(torch.float32)
+    return t.detach().to(torch.float32, copy=True)
+
+
 @contextlib.contextmanager
 def written(p: torch.Tensor) -> Iterator[torch.Tensor]:
     """Yields `p`'s value in fp32 for the rule to update in place, then stores it once (module
@@ -154,7 +162,7 @@ def written(p: torch.Tensor) -> Iterator[torch.Tensor]:
     if not needs_writer(t):
         yield t
         return
-    w = t.dequantize(torch.float32) if isinstance(t, Int8Weight) else t.detach().float()
+    w = value_fp32(t)
     yield w
     with torch.no_grad():
         _store(p, t, w)
