@@ -8,6 +8,7 @@ loses."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -150,7 +151,18 @@ def test_the_streamed_export_reloads_and_gives_effpretrains_eval_loss(tmp_path, 
     corpus = data.load_corpus(cfg.data)
     tok = data.load_tokenizer(cfg.data, corpus)
     val = data.validation_set(corpus, tok, cfg.data.seq_len, cfg.data.mode, cfg.train.eval_tokens)
-    got = evaluate(model, val, cfg.train.batch_size)
+    got = evaluate(
+        model,
+        val,
+        cfg.train.batch_size,
+        rank=0,
+        world=1,
+        device=torch.device("cpu"),
+        autocast=contextlib.nullcontext,
+        all_reduce_sum=lambda t: t,
+        loss=cfg.train.loss,
+        chunk_tokens=cfg.train.loss_chunk_tokens,
+    )
     assert abs(got.loss - reported) <= 1e-4 * abs(reported), (got.loss, reported)
 
 
