@@ -117,6 +117,29 @@ def _add_estimate(sub) -> None:
     e.add_argument("--loss", default=TrainConfig.loss, choices=list(get_args(LossKind)), help="as train.loss")
     e.add_argument("--world-size", type=int, default=1)
     e.add_argument("--sharding", default="none", choices=["none", "ddp", "fsdp2"])
+    e.add_argument(
+        "--weight-quant",
+        default="none",
+        choices=["none", "int8"],
+        help="as train.weight_quant: int8 stores the target linear weights as int8 codes + fp32 scales",
+    )
+    e.add_argument(
+        "--weight-quant-group",
+        type=int,
+        default=TrainConfig.weight_quant_group,
+        help="as train.weight_quant_group",
+    )
+    e.add_argument(
+        "--weight-quant-embeddings",
+        action="store_true",
+        help="as train.weight_quant_embeddings: the embedding and the head in INT8 too",
+    )
+    e.add_argument(
+        "--stochastic-rounding",
+        action="store_true",
+        help="as train.stochastic_rounding: true (the default for --weight-quant int8); the rounding's "
+        "noise is part of the writer's temporaries",
+    )
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -226,6 +249,7 @@ def cmd_estimate(args) -> int:
     method, factor, restarts = _method_structure(args.method)
     sizes = {"--rank": args.rank, "--world-size": args.world_size, "--batch-size": args.batch_size}
     sizes["--grad-accum"] = args.grad_accum
+    sizes["--weight-quant-group"] = args.weight_quant_group
     sizes.update({"--seq-len": args.seq_len, "--vocab-size": args.vocab_size})
     for flag, value in sizes.items():
         if value is not None and value <= 0:
@@ -253,6 +277,9 @@ def cmd_estimate(args) -> int:
         update_in_backward=args.update_in_backward,
         grad_clip=args.grad_clip,
         in_backward_refresh=args.in_backward_refresh,
+        weight_quant=args.weight_quant,
+        weight_quant_group=args.weight_quant_group,
+        weight_quant_embeddings=args.weight_quant_embeddings,
     )
     if factor != "none":
         est.detail["method"] = args.method
