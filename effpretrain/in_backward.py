@@ -352,6 +352,11 @@ def broadcast_module_(module: torch.nn.Module, src: int = 0, group: Any = None) 
     """Every parameter and buffer of `module` set to rank `src`'s (as DDP does when it wraps a
     module): replicas that start equal and apply the same averaged gradients stay equal."""
     import torch.distributed as dist
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     for t in [*module.parameters(), *module.buffers()]:
-        dist.broadcast(t.data, src=src, group=group)
+        if is_traceable_wrapper_subclass(t):  # an INT8 weight: its codes and scales, as they are
+            for name in t.__tensor_flatten__()[0]:
+                dist.broadcast(getattr(t, name), src=src, group=group)
+        else:
+            dist.broadcast(t.data, src=src, group=group)

@@ -18,6 +18,7 @@ from effpretrain.config import RunConfig
 from effpretrain.errors import ConfigError
 from effpretrain.fsdp import apply_fsdp2
 from effpretrain.in_backward import AllReduceMean, broadcast_module_, check_same_order
+from effpretrain.models.quantize import quantized_weights
 
 
 def make_accelerator(cfg: RunConfig, out_dir: Path) -> Any:
@@ -39,6 +40,19 @@ def make_accelerator(cfg: RunConfig, out_dir: Path) -> Any:
         project_dir=str(out_dir),
         kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)],
     )
+
+
+def _ddp_kwargs(**kwargs: Any) -> Any:
+    """Accelerate's DDP kwargs handler, plus DDP's ``init_sync`` (which Accelerate's lacks)."""
+    from dataclasses import dataclass
+
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    @dataclass
+    class DDPKwargs(DistributedDataParallelKwargs):
+        init_sync: bool = True
+
+    return DDPKwargs(**kwargs)
 
 
 def check_launch(world: int, cfg: RunConfig) -> None:
@@ -176,6 +190,12 @@ class DDPLaunch(Launch):
     sharding = "ddp"
 
     def wrap(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[Any, Any]:
+        if quantized_weights(model):
+            # DDP's own start-up broadcast copies a flattened (dequantized) buffer back into each
+            # parameter, which an INT8 weight refuses: rank 0's codes and scales are broadcast as
+            # they are instead, and DDP is told not to repeat it.
+            broadcast_module_(model)
+            self.acc.ddp_handler = _ddp_kwargs(gradient_as_bucket_view=True, init_sync=False)
         model, opt = self.acc.prepare(model, opt)
         if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise ConfigError(
