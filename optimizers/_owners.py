@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from optimizers._sharded import COMM, is_dtensor, local, nonzero_flags, whole, write_whole_
-from optimizers.writer import written
+from optimizers.writer import needs_writer, value_fp32, written
 
 DEFAULT_BUCKET_BYTES = 1 << 26
 """Bytes of whole W and G one owner gathers per bucket (64 MiB; a larger parameter goes alone)."""
@@ -340,11 +340,11 @@ class OwnerRanks:
         (a collective: every rank calls it with the same bucket). On one rank the local tensors
         are the whole ones: no copy."""
         if self.world == 1:
-            return {p: (local(p), local(p.grad)) for p in bucket}
+            return {p: (_value(p), local(p.grad)) for p in bucket}
         device = local(bucket[0]).device
         send: list[list[torch.Tensor]] = [[] for _ in range(self.world)]
         for p in bucket:
-            w, g = local(p), local(p.grad)
+            w, g = _value(p), local(p.grad)
             if w.shape[0] != self._rows(p)[self.rank] or g.shape != w.shape:
                 raise RuntimeError(
                     f"a {tuple(p.shape)} parameter's local rows {tuple(w.shape)} (gradient {tuple(g.shape)}) "
@@ -358,7 +358,7 @@ class OwnerRanks:
 
         out = {
             p: (
-                torch.empty(p.shape, dtype=p.dtype, device=device),
+                torch.empty(p.shape, dtype=_value_dtype(p), device=device),
                 torch.empty(p.grad.shape, dtype=p.grad.dtype, device=device),
             )
             for p in mine
@@ -380,7 +380,8 @@ class OwnerRanks:
         parameter, on the owner) written into each parameter's local shard (a collective)."""
         if self.world == 1:
             for p in bucket:
-                if new[p] is not local(p) and new[p].data_ptr() != local(p).data_ptr():
+                t = local(p)
+                if needs_writer(p) or (new[p] is not t and new[p].data_ptr() != t.data_ptr()):
                     with written(p) as w:  # its rows, rounded once where stored in fewer bits
                         w.copy_(new[p])
             return
@@ -395,16 +396,32 @@ class OwnerRanks:
                 send[d].append(flat[start : start + rows[d] * row_bytes])
         recv = [0] * self.world
         for p in bucket:
-            recv[self.owner(p)] += local(p).numel() * p.dtype.itemsize
+            recv[self.owner(p)] += local(p).numel() * _value_dtype(p).itemsize
         data = self._exchange([_cat(parts, device) for parts in send], recv, device)
         starts = [sum(recv[:s]) for s in range(self.world)]
         for p in bucket:
             o = self.owner(p)
             shard = local(p)
-            n = shard.numel() * p.dtype.itemsize
-            if n:
+            n = shard.numel() * _value_dtype(p).itemsize
+            if n and needs_writer(p):  # its rows in fp32, rounded once into its storage
+                rows = torch.empty(shard.shape, dtype=torch.float32, device=device)
+                _bytes_view(rows).copy_(data[starts[o] : starts[o] + n])
+                with written(p) as w:
+                    w.copy_(rows)
+            elif n:
                 _bytes_view(shard).copy_(data[starts[o] : starts[o] + n])
             starts[o] += n
+
+
+def _value(p: torch.Tensor) -> torch.Tensor:
+    """What travels to an owner as `p`'s rows: the local shard itself, or, for a weight stored in
+    fewer bits (bf16, INT8: `needs_writer`), its fp32 value (the owner steps fp32; each rank
+    rounds its own rows back, with the noise of their offsets)."""
+    return value_fp32(p) if needs_writer(p) else local(p)
+
+
+def _value_dtype(p: torch.Tensor) -> torch.dtype:
+    return torch.float32 if needs_writer(p) else p.dtype
 
 
 def _row_bytes(t: torch.Tensor) -> int:

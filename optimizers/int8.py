@@ -31,7 +31,7 @@ __all__ = ["Int8Weight", "is_int8"]
 
 def is_int8(t: Any) -> bool:
     """Whether `t` (or a DTensor's local shard) is an `Int8Weight`."""
-    t = t.to_local() if hasattr(t, "to_local") else t
+    t = t._local_tensor if hasattr(t, "_local_tensor") else t
     return isinstance(t, Int8Weight)
 
 
@@ -139,9 +139,37 @@ class Int8Weight(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+        aten = torch.ops.aten
+        if func in (aten.detach.default, aten.alias.default):
             w = args[0]
             return Int8Weight(w.codes, w.scales, w.group, w.dtype)
+        # Row views and row blocks (FSDP2 shards a weight by rows; a group never straddles two).
+        if func is aten.slice.Tensor and _arg(args, kwargs, 1, "dim", 0) == 0:
+            w = args[0]
+            start, end = _arg(args, kwargs, 2, "start", None), _arg(args, kwargs, 3, "end", None)
+            step = _arg(args, kwargs, 4, "step", 1)
+            rows = slice(start, end, step)
+            return Int8Weight(w.codes[rows], w.scales[rows], w.group, w.dtype)
+        if (
+            func in (aten.split.Tensor, aten.split_with_sizes.default)
+            and _arg(args, kwargs, 2, "dim", 0) == 0
+        ):
+            w, sizes = args[0], args[1]
+            codes, scales = func(w.codes, sizes, 0), func(w.scales, sizes, 0)
+            return [Int8Weight(c, sc, w.group, w.dtype) for c, sc in zip(codes, scales)]
+        if func is aten.new_zeros.default:
+            w, size = args[0], tuple(args[1])
+            if len(size) != 2 or size[1] != w.shape[1]:
+                raise RuntimeError(f"an INT8 weight's new_zeros keeps its columns: {size}")
+            codes = torch.zeros(size, dtype=torch.int8, device=w.device)
+            scales = torch.ones(size[0], w.scales.shape[1], dtype=torch.float32, device=w.device)
+            return Int8Weight(codes, scales, w.group, w.dtype)
+        if func is aten.as_strided.default and tuple(args[1]) == tuple(args[0].shape):
+            w = args[0]
+            if _arg(args, kwargs, 3, "storage_offset", 0) in (0, None):
+                return Int8Weight(w.codes, w.scales, w.group, w.dtype)
+        if func is aten.view.default and list(args[1]) == [-1]:
+            return _Int8Flat(args[0])  # FSDP2's flat handle of a shard: kept, never computed with
         if func is torch.ops.aten.copy_.default and isinstance(args[1], Int8Weight):
             # Quantized into quantized (a checkpoint's codes, a shard's rows): exact, not an update.
             dst, src = args[0], args[1]
@@ -161,6 +189,50 @@ class Int8Weight(torch.Tensor):
             return t.dequantize() if isinstance(t, Int8Weight) else t
 
         return func(*pytree.tree_map(plain, args), **pytree.tree_map(plain, kwargs))
+
+    # -- FSDP2's all-gather extension: the shards' codes and scales travel, not fp32 rows ----------
+    def fsdp_pre_all_gather(
+        self, mesh: Any, outer_size: Any, outer_stride: Any, module: Any, mp_policy: Any
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], None]:
+        return (self.codes, self.scales), None
+
+    def fsdp_post_all_gather(
+        self,
+        all_gather_outputs: tuple[torch.Tensor, ...],
+        metadata: Any,
+        param_dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> tuple[Int8Weight, tuple[torch.Tensor, ...]] | None:
+        codes, scales = all_gather_outputs
+        codes = codes.view(-1, self.codes.shape[1])
+        scales = scales.view(-1, self.scales.shape[1])
+        if out is not None:  # the unsharded weight's codes and scales are these buffers, refilled
+            return None
+        return Int8Weight(codes, scales, self.group, param_dtype or self.dtype), (codes, scales)
+
+
+def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any) -> Any:
+    """An operator's argument `i` (or `name`)."""
+    return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+class _Int8Flat(torch.Tensor):
+    """A flat (numel,) handle of an `Int8Weight`, which FSDP2 keeps for each shard but, with the
+    all-gather extension, never computes with: any operation on it is an error."""
+
+    @staticmethod
+    def __new__(cls, w: Int8Weight) -> _Int8Flat:
+        return torch.Tensor._make_wrapper_subclass(cls, (w.numel(),), dtype=w.dtype, device=w.device)
+
+    def __init__(self, w: Int8Weight) -> None:
+        self.weight = w
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.ops.aten.detach.default:
+            return args[0]
+        raise RuntimeError(f"{func} on the flat handle of an INT8 weight")
 
 
 class _Int8Linear(torch.autograd.Function):

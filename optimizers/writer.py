@@ -90,7 +90,9 @@ def rounding_of(p: torch.Tensor) -> tuple[Rounding, int] | None:
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
-    return p.to_local() if hasattr(p, "to_local") else p
+    """A DTensor's local shard itself (not `to_local`'s autograd view, which for an INT8 shard
+    would be a dequantized copy), else `p`."""
+    return p._local_tensor if hasattr(p, "_local_tensor") else p
 
 
 def needs_writer(p: torch.Tensor) -> bool:

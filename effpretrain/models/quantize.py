@@ -42,19 +42,16 @@ def _state_dict_hook(module: torch.nn.Module, state: dict, prefix: str, local_me
     w = state.pop(prefix + "weight", None)
     if w is None:
         return
-    inner = w.to_local() if hasattr(w, "to_local") else w
+    inner = w._local_tensor if hasattr(w, "_local_tensor") else w
     if not isinstance(inner, Int8Weight):
         state[prefix + "weight"] = w
         return
-    if hasattr(w, "to_local"):  # an FSDP2 DTensor of an Int8Weight shard: the same placements
-        from torch.distributed.tensor import DTensor
+    if hasattr(w, "to_local"):  # an FSDP2 DTensor of an Int8Weight shard: sharded by rows like it
+        from optimizers._sharded import row_sharded_like
 
-        state[prefix + CODES_SUFFIX] = DTensor.from_local(
-            inner.codes, w.device_mesh, w.placements, run_check=False
-        )
-        state[prefix + SCALE_SUFFIX] = DTensor.from_local(
-            inner.scales, w.device_mesh, w.placements, run_check=False
-        )
+        m, n = w.shape
+        state[prefix + CODES_SUFFIX] = row_sharded_like(w, inner.codes, (m, n))
+        state[prefix + SCALE_SUFFIX] = row_sharded_like(w, inner.scales, (m, inner.scales.shape[1]))
     else:
         state[prefix + CODES_SUFFIX], state[prefix + SCALE_SUFFIX] = inner.codes, inner.scales
 
@@ -73,7 +70,7 @@ def _load_pre_hook(
     if codes is None and scales is None:
         return
     w = module.weight
-    inner = w.to_local() if hasattr(w, "to_local") else w
+    inner = w._local_tensor if hasattr(w, "_local_tensor") else w
     if codes is None or scales is None or not isinstance(inner, Int8Weight):
         errors.append(
             f"{prefix}weight: INT8 codes and scales must load into an INT8 weight, and come together"
@@ -143,7 +140,7 @@ def quantized_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, parameter) of `model`'s INT8 weights."""
     out = []
     for name, p in model.named_parameters():
-        inner = p.to_local() if hasattr(p, "to_local") else p
+        inner = p._local_tensor if hasattr(p, "_local_tensor") else p
         if isinstance(inner, Int8Weight):
             out.append((name, p))
     return out
