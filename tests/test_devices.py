@@ -148,6 +148,31 @@ def test_auto_prints_its_device_and_warns_once_when_a_driver_cannot_start_cuda(t
     assert capsys.readouterr().out == ""
 
 
+@pytest.mark.parametrize(
+    ("setting", "available", "cpu"),
+    [("auto", True, False), ("cuda", True, False), ("cpu", True, True), ("auto", False, True)],
+)
+def test_the_accelerator_is_built_for_the_chosen_device(setting, available, cpu, tmp_path, monkeypatch):
+    """Accelerate gets cpu= from `train.device` and the machine's facts (the facts injected: on
+    this machine Accelerate falls back to the CPU whatever it is asked)."""
+    import accelerate
+
+    asked = []
+
+    class Spy(accelerate.Accelerator):
+        def __init__(self, *a, **k):
+            asked.append(k["cpu"])
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(accelerate, "Accelerator", Spy)
+    cfg = load_config(None, [f"train.device={setting}"])
+    try:
+        make_accelerator(cfg, tmp_path, facts=_facts(available=available))
+    except ConfigError:
+        assert setting == "cuda"  # Accelerate placed it on this machine's CPU: refused after the build
+    assert asked == [cpu]
+
+
 def test_cuda_refused_before_and_after_accelerate(tmp_path):
     cfg = load_config(None, ["train.device=cuda"])
     with pytest.raises(ConfigError, match="CUDA is not available: this torch is a CPU build"):

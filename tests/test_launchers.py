@@ -122,6 +122,7 @@ def test_cpu_launch_configs_hide_every_gpu(config, monkeypatch):
     monkeypatch.setattr(
         acc_launch, "get_torch_accelerator_backend", lambda check_available=True: ("cuda", None)
     )
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # a user's shell, not this suite's
     path = ROOT / "recipes" / "accelerate" / config
     args = launch_command_parser().parse_args(
         ["--config_file", str(path), "--main_process_port", "0", "x.py"]

@@ -532,10 +532,12 @@ class _FakeAllocator:
 
 
 @pytest.mark.parametrize("read_as", ["cuda", "cuda:0", torch.device("cuda", 0)])
-def test_the_peak_floor_saved_across_a_reset_is_read_under_any_spelling(read_as, monkeypatch):
+@pytest.mark.parametrize("saved_as", ["cuda:0", "cuda"])
+def test_the_peak_floor_saved_across_a_reset_is_read_under_any_spelling(saved_as, read_as, monkeypatch):
     """A 5 GB spike before a measured step's per-phase resets (step 1, a refresh) is gone from
-    ``max_memory_allocated`` afterwards; the floor the step saved under the parameters' device
-    (cuda:0) puts it back in `process_peak_bytes` read under Accelerate's device (cuda)."""
+    ``max_memory_allocated`` afterwards; the floor the step saved under its device (the
+    parameters' cuda:0, or a bare cuda) puts it back in `process_peak_bytes` read under another
+    spelling (Accelerate's cuda on one GPU)."""
     from effpretrain.memory import measure
 
     fake = _FakeAllocator()
@@ -543,7 +545,7 @@ def test_the_peak_floor_saved_across_a_reset_is_read_under_any_spelling(read_as,
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", fake.reset_peak_memory_stats)
     monkeypatch.setattr(measure, "_CUDA_PEAK_FLOOR", {})
     fake.peak = 5 * 10**9
-    phases = measure._CudaPhases(torch.device("cuda", 0), lambda: dict.fromkeys(CATEGORIES, 0))
+    phases = measure._CudaPhases(torch.device(saved_as), lambda: dict.fromkeys(CATEGORIES, 0))
     fake.peak = 10**6  # the measured phase's own peak, after the reset
     phases.boundary("forward")
     assert fake.peak == 0  # reset again at the boundary
