@@ -29,6 +29,7 @@ from effpretrain.checkpoint import Checkpointer, find_resume
 from effpretrain.checkpoint import complete_checkpoints as _complete_checkpoints
 from effpretrain.compile import check_compilable, compile_seconds
 from effpretrain.config import RunConfig, dump_yaml
+from effpretrain.determinism import deterministic
 from effpretrain.errors import ConfigError
 from effpretrain.evaluation import EvalResult, evaluate_checkpoint
 from effpretrain.in_backward import InBackward
@@ -589,6 +590,8 @@ def train(
     are back when this returns or raises.
 
     `allow_oversubscribe` skips the pre-flight memory check (`Trainer._preflight`).
+    `train.deterministic` holds for the whole run and is undone when this returns or raises
+    (`effpretrain.determinism`).
 
     Raises:
         ConfigError: bad config, data, resume target or launch; an estimated peak beyond the
@@ -596,5 +599,6 @@ def train(
         NonFiniteError: too many consecutive non-finite steps.
         effpretrain.signals.RunInterrupted: stopped at once by a signal (no checkpoint written).
     """
-    with StopSignals() as stop:
+    # Deterministic kernels (train.deterministic) before anything touches CUDA; restored on the way out.
+    with StopSignals() as stop, deterministic(cfg.train.deterministic):
         return Trainer(cfg, Path(out_dir), resume, allow_config_change, allow_oversubscribe).fit(stop)

@@ -221,6 +221,16 @@ class TrainConfig:
     """Steps between `metrics.jsonl` records."""
     seed: Seed = 0
     """Seed of the model initialisation and the run's random state."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """Where the run trains: `auto` (CUDA where it starts, else the CPU, with a one-line warning
+    when an NVIDIA driver is loaded but CUDA does not start), `cuda` (an error, exit 2, where CUDA
+    does not start) or `cpu`. The device is printed at start (`effpretrain.devices`)."""
+    deterministic: bool = False
+    """Deterministic kernels for the run (`effpretrain.determinism`): `torch.use_deterministic_algorithms`,
+    `CUBLAS_WORKSPACE_CONFIG=:4096:8` (set before CUDA starts), cuDNN's deterministic algorithms
+    without autotuning; restored when the run ends. Needed on CUDA for the bitwise claims (exact
+    resume, DDP = one process, compiled split = straight), which hold on CPU without it. Costs
+    speed on CUDA, and an op without a deterministic kernel raises (docs/gpu.md)."""
     precision: Precision = "fp32"
     """`fp32`; `bf16-mixed` (fp32 weights and states, bf16 autocast); `bf16-pure` (bf16 weights,
     gradients and states: the paper's)."""
