@@ -10,6 +10,7 @@ import torch
 
 from optimizers import projection as proj
 from optimizers.galore import GaLoreAdamW
+from optimizers.precision import full_fp32
 from optimizers.projected_adam import (
     BASIS,
     COMPUTED_BASIS,
@@ -21,6 +22,7 @@ from optimizers.projected_adam import (
 )
 
 
+@full_fp32()
 def orthonormal_basis(
     shape: tuple[int, ...],
     rank: int,

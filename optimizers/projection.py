@@ -62,6 +62,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from optimizers.precision import full_fp32
+
 PROJ_TYPES: tuple[str, ...] = ("std", "reverse_std", "right", "left", "full")
 """galore-torch's ``proj_type`` values. std: right if m >= n else left; reverse_std: the opposite;
 right / left: always that side; full: both sides (r x r core)."""
@@ -256,6 +258,7 @@ def low_rank_shape(shape: tuple[int, ...], rank: int, side: str, method: str = "
     return {"right": (m, r), "left": (r, n), "full": (r, r)}[side]
 
 
+@full_fp32()
 def project(grad: torch.Tensor, basis: torch.Tensor, side: str) -> torch.Tensor:
     """R = G P^T (right), P^T G (left) or P_L^T G P_R^T (full, packed basis).
 
@@ -272,6 +275,7 @@ def project(grad: torch.Tensor, basis: torch.Tensor, side: str) -> torch.Tensor:
     return (basis[:, :m] @ grad) @ basis[:, m:].t()
 
 
+@full_fp32()
 def project_back(low: torch.Tensor, basis: torch.Tensor, side: str, m: int | None = None) -> torch.Tensor:
     """back(N) = N P (right), P N (left) or P_L N P_R (full): the map from R's space to G's.
 
@@ -290,6 +294,7 @@ def project_back(low: torch.Tensor, basis: torch.Tensor, side: str, m: int | Non
     return (basis[:, :m].t() @ low) @ basis[:, m:]
 
 
+@full_fp32()
 def svd_basis(g32: torch.Tensor, rank: int, side: str) -> torch.Tensor:
     """Exact top-r singular vectors of fp32 G via a thin SVD (what galore-torch computes).
 
@@ -402,6 +407,7 @@ def _randomized_left_vectors(
     return _top_left(a @ torch.linalg.householder_product(reflectors, tau), r)
 
 
+@full_fp32()
 def randomized_svd_basis(
     g32: torch.Tensor,
     rank: int,
@@ -571,6 +577,7 @@ def _check_basis_args(grad: torch.Tensor, method: str) -> None:
         raise ValueError(f"projection needs a 2-D gradient, got shape {tuple(grad.shape)}")
 
 
+@full_fp32()
 def compute_basis(
     grad: torch.Tensor,
     rank: int,
