@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['method']:12s} largest {tuple(big['shape'])} {big['bytes'] / 1e6:6.2f} MB "
             f"{big['draw_s'] * 1e3:7.2f} ms ({big['draw_cpu_s'] * 1e3:.2f} CPU); "
             f"all {r['per_set_bytes'] / 1e6:8.1f} MB "
-            f"{r['per_set_draw_s']:6.3f} s ({r['per_set_draw_cpu_s']:.3f} CPU) per {r['drawn_at'].split(' ')[0]}, "
+            f"{r['per_set_draw_s']:6.3f} s ({r['per_set_draw_cpu_s']:.3f} CPU) "
+            f"per {r['drawn_at'].split(' ')[0]}, "
             f"{r['draw_s_per_step_amortised'] * 1e3:6.2f} ms/step amortised over {r['gap_steps']}"
         )
     if args.out:

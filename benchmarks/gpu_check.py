@@ -466,8 +466,9 @@ def speed_case(method: str, scale: Scale, batch: int, compiled: bool) -> dict[st
         "tokens_per_s": tokens_per_s,
         "mfu": flops.mfu(per_token * tokens_per_s, peak),
         "peak_flops_dtype": peak_dtype,
-        # CUDA bytes still allocated after the case freed what it built, against before it: 0
-        # unless a case leaks into the next (None on the CPU, which has no allocator statistics).
+        # CUDA bytes still allocated after the case freed what it built, against before it: a
+        # leak into the next case shows here (the first case may also leave cuBLAS's workspace,
+        # a few MiB, which later cases reuse). None on the CPU, which has no allocator statistics.
         "leftover_bytes": leftover,
         "optimizer_share": statistics.median(opt_s[scale.warmup :]) / steady,
         "refresh_amortised_s": refresh,

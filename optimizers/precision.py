@@ -12,7 +12,9 @@ LORO's decompositions. In TF32 their relative error grows from about 1e-7 to 1e-
 change which singular directions a refresh keeps. `full_fp32` runs them at IEEE fp32.
 
 cuBLAS reads the precision when a product is launched (torch passes it with each call), so
-switching it around a computation affects exactly the products launched inside.
+switching it around a computation affects exactly the products launched inside. The settings are
+process-wide: another thread's products launched meanwhile run at fp32 too (the trainer launches
+none then: an update in backward runs in the backward's own thread, between its kernels).
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def _restore(saved: tuple[Any, Any, dict[tuple[str, str], str]]) -> None:
     if legacy is not None:
         torch.set_float32_matmul_precision(legacy)
     if cudnn is not None:
-        torch.backends.cudnn.allow_tf32 = cudnn
+        torch._C._set_cudnn_allow_tf32(cudnn)
     for (backend, op), value in ops.items():
         if _get(backend, op) == value:
             continue
@@ -86,7 +88,8 @@ def _force_fp32() -> None:
     # a legacy flag that disagrees with the per-backend one); "highest" pins CUDA's and oneDNN's
     # matmul to "ieee". The per-backend ops are then pinned too, over a generic "tf32" setting.
     torch.set_float32_matmul_precision("highest")
-    torch.backends.cudnn.allow_tf32 = False
+    # torch._C's setter: torch.backends.cudnn's refuses after torch.backends.disable_global_flags().
+    torch._C._set_cudnn_allow_tf32(False)
     if _NEW_API:
         for backend, op in _OPS:
             _set(backend, op, "ieee")
@@ -163,7 +166,7 @@ def model_matmuls(tf32: bool):
     optimizers' math stays at fp32 either way (`full_fp32`)."""
     saved = _capture()
     torch.backends.cuda.matmul.allow_tf32 = bool(tf32)
-    torch.backends.cudnn.allow_tf32 = bool(tf32)
+    torch._C._set_cudnn_allow_tf32(bool(tf32))
     if _NEW_API:  # over a generic "tf32" set through the per-backend API
         for op in ("matmul", "conv", "rnn"):
             _set("cuda", op, "tf32" if tf32 else "ieee")

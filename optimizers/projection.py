@@ -27,8 +27,9 @@ Methods (`method` argument, the optimizers' ``basis`` group key):
   previous basis) the sketch starts from it (warm start) and only the p extra columns are
   random. The Gaussian draws come from a CPU ``torch.Generator`` seeded by
   ``mix_seed(seed, refresh)`` (`gaussian`), so a basis is reproducible from
-  (G, seed, refresh, prev) and its sketch is the same on any hardware. Defaults p = 8, q = 1: within 1% of the exact basis's captured
-  energy on power-law spectra at a fraction of the SVD's cost (benchmarks/optimizer_step.py).
+  (G, seed, refresh, prev) and its sketch is the same on any hardware. Defaults p = 8, q = 1:
+  within 1% of the exact basis's captured energy on power-law spectra at a fraction of the SVD's
+  cost (benchmarks/optimizer_step.py).
 * ``"random"``: APOLLO's projection (Zhu et al. 2024): i.i.d. N(0, 1/r) entries drawn from a
   generator seeded by ``mix_seed(seed, refresh)``. It is a Johnson-Lindenstrauss map
   (E[P^T P] = I for the right side), NOT orthonormal, and never needs storing: it is regenerated
