@@ -43,6 +43,7 @@ from effpretrain.run_model import build_run_model, place_model
 from effpretrain.run_state import EXACTNESS_KEYS, DataPosition, OptionalPart, Progress, RngState, RunFacts
 from effpretrain.signals import StopSignals
 from optimizers._sharded import local as _local
+from optimizers.precision import model_matmuls
 
 __all__ = [
     "EXACTNESS_KEYS",
@@ -599,6 +600,7 @@ def train(
         NonFiniteError: too many consecutive non-finite steps.
         effpretrain.signals.RunInterrupted: stopped at once by a signal (no checkpoint written).
     """
-    # Deterministic kernels (train.deterministic) before anything touches CUDA; restored on the way out.
-    with StopSignals() as stop, deterministic(cfg.train.deterministic):
+    # Deterministic kernels (train.deterministic) before anything touches CUDA; train.tf32 governs
+    # the model's fp32 products for the run; both restored on the way out.
+    with StopSignals() as stop, deterministic(cfg.train.deterministic), model_matmuls(cfg.train.tf32):
         return Trainer(cfg, Path(out_dir), resume, allow_config_change, allow_oversubscribe).fit(stop)

@@ -234,6 +234,13 @@ class TrainConfig:
     precision: Precision = "fp32"
     """`fp32`; `bf16-mixed` (fp32 weights and states, bf16 autocast); `bf16-pure` (bf16 weights,
     gradients and states: the paper's)."""
+    tf32: bool = False
+    """Let the model's float32 matrix products (and cuDNN's) run in TF32 on a GPU that has it (set
+    for the run, restored after; `false` runs them at full fp32 even where the process enabled
+    TF32). Only fp32 products change: it matters for `train.precision` fp32 (and bf16-mixed's fp32
+    parts). The optimizers' projection, orthogonalisation, whitening and refactorization math
+    runs at full fp32 either way (`optimizers.precision.full_fp32`). MFU then divides by the TF32
+    peak (summary.json `peak_flops_dtype`)."""
     activation_checkpointing: Annotated[int | str, CHECKPOINTING, BOOL_AS_INT] = 0
     """0 (or false): off; k: checkpoint every k-th decoder layer (1 or true: all); `auto`: the
     fewest layers whose checkpointing brings the estimated peak within `train.memory_budget_gb`
@@ -245,9 +252,11 @@ class TrainConfig:
     checkpoints are interchangeable with eager runs'. Compile time is reported apart
     (summary.json `compile_s`)."""
     peak_tflops: PositiveFloat | None = None
-    """The device's peak dense bf16 TFLOP/s for the MFU figure (summary.json `mfu`); `null`: looked
-    up by the CUDA device's name (`effpretrain.flops.DEVICE_PEAKS`), none on CPU or an unknown
-    device (MFU is then null)."""
+    """The device's peak dense TFLOP/s for the MFU figure (summary.json `mfu`), at the dtype the
+    model's products run in (summary.json `peak_flops_dtype`: `bf16` for a bf16 run, `tf32` for
+    fp32 with `train.tf32`, `fp32` for fp32 without); `null`: looked up by the CUDA device's name
+    and that dtype (`effpretrain.flops.DEVICE_PEAKS`), none on CPU, an unknown device or a MIG
+    slice (MFU is then null)."""
     memory_budget_gb: PositiveFloat | None = None
     """Per-rank memory budget (GB = 1e9 bytes) that `activation_checkpointing: auto` fits the
     estimated peak into."""
