@@ -9,7 +9,7 @@ TORCH_VERSION := 2.13.0
 # offer). Another CUDA: make venv TORCH_CUDA='torch==2.13.0+cu126 --index-url https://download.pytorch.org/whl/cu126'
 TORCH_CUDA ?= torch===$(TORCH_VERSION)
 
-.PHONY: venv train test test-fast test-gpu lint docs format clean gpu-wheels
+.PHONY: venv train test test-fast test-gpu mutants lint docs format clean gpu-wheels
 
 # torch first, so the range in pyproject.toml installs nothing more: where an NVIDIA driver is
 # loaded (effpretrain/devices.py looks for its files; nvidia-smi need not be on PATH) a CUDA build,
@@ -48,6 +48,11 @@ test-fast: $(STAMP)
 # make test or CI. Without a visible GPU each one is skipped.
 test-gpu: $(STAMP)
 	EFFPRETRAIN_TEST_GPU=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m gpu tests/gpu $(PYTEST_ARGS)
+
+# Mutation checks (tests/mutants.py): each named breakage of the product, applied to a copy of the
+# checkout, must make the tests that claim the behaviour fail; lists which tests caught each one.
+mutants: $(STAMP)
+	$(BIN)/python tests/mutants.py $(MUTANTS_ARGS)
 
 # The generated reference pages, then the site; strict: a broken link or a page missing from the
 # navigation fails the build.

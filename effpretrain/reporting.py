@@ -23,6 +23,7 @@ import torch
 import optimizers
 from effpretrain import flops, memory
 from effpretrain.checkpoint.weights import without_aliases
+from effpretrain.compile import compiled_blocks
 from effpretrain.config import RunConfig, config_hash, dump_yaml, to_dict
 from effpretrain.evaluation import EvalResult
 from effpretrain.memory import measure
@@ -216,6 +217,8 @@ def build_summary(
         state_ranks: every rank's measured optimizer-state bytes, in rank order (None: one rank).
             ``optimizer_state_bytes`` is this rank's; the estimate is compared rank by rank.
         compile_s: seconds this process spent compiling for the run (`train.compile`).
+
+    ``compiled_blocks`` is read off the model: its decoder blocks that `train.compile` compiled.
     """
     model = acc.unwrap_model(model)
     tokens_per_s = clock.tokens_per_s(progress.tokens)
@@ -223,6 +226,8 @@ def build_summary(
         **_result_fields(cfg, model, progress, val, vocab_size),
         "tokens_per_s": tokens_per_s,
         **speed_figures(cfg, acc, vocab_size, tokens_per_s, compile_s),
+        # Read off the trained model: how many decoder blocks ran compiled (0 for an eager run).
+        "compiled_blocks": compiled_blocks(model),
         "wall_s": time.time() - clock.start_wall,
         **_memory_fields(cfg, acc, model, opt, vocab_size, sharding, state_ranks, memory_records),
         "grad_bytes": grad_bytes,
@@ -319,8 +324,8 @@ def speed_figures(
     peak; null on CPU, an unknown device or a MIG slice), ``peak_flops``, ``peak_flops_dtype`` (the
     dtype of the model's products whose peak it is: bf16, tf32 or fp32, `flops.peak_dtype`) and
     ``peak_flops_source``, and
-    ``compile_s`` (`train.compile`: the run's compilation time in this process, which the
-    throughput includes; 0 eager)."""
+    ``compile_s`` (`train.compile`: the run's compilation time in this process: the training
+    graphs', which the throughput includes, and the evaluation's; 0 eager)."""
     per_token = flops.run_flops_per_token(cfg, vocab_size, acc.num_processes)
     peak, source, dtype = flops.run_peak_flops(cfg, acc.device)
     achieved = per_token * tokens_per_s

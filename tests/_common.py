@@ -67,3 +67,45 @@ def in_backward_kind(method: str) -> str:
     if spec.projects:
         return "low_rank" if getattr(spec.cls, "PROJECTED_GRAD_ONLY", False) else "projected"
     return "whole_matrix" if spec.whole_matrix_steps else "element_wise"
+
+
+def train_records(run: Path, since: int = 0) -> dict[int, dict]:
+    """A run's logged training steps (the metrics.jsonl records that carry a loss and an lr), by
+    step; from line `since` on (a run resumed into its own folder appends to the file)."""
+    import json
+
+    lines = (run / "metrics.jsonl").read_text().splitlines()[since:]
+    records = [json.loads(line) for line in lines]
+    return {r["step"]: r for r in records if "event" not in r and "loss" in r and "lr" in r}
+
+
+#: What a resumed run's logged step must share with the straight run's at the same step: the
+#: quantities that depend on the restored state (weights and data: the loss; the schedule: lr;
+#: the optimizer state: every later step; the tokens counted so far).
+RESUMED_KEYS = ("loss", "lr", "grad_norm", "tokens", "optimizer_state_bytes")
+
+
+def metrics_lines(run: Path) -> int:
+    """How many records a run's metrics.jsonl holds now (0 before it exists)."""
+    path = run / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def assert_resumed_from(straight: Path, resumed: Path, at: int, since: int = 0) -> None:
+    """The resume happened, from step `at`, and was exact: the resumed run's first logged step is
+    `at` + 1 (a resume that restored nothing would log step 1 first), and every step it logged
+    equals the straight run's at the same step in `RESUMED_KEYS` (both runs need
+    ``train.log_every=1``); `since`: the resumed run's first line in its metrics.jsonl, where it
+    was resumed into a folder that already held a run's records. A restore that got the weights or the data position wrong shows in
+    step `at` + 1's loss, the schedule in its lr, the optimizer state from step `at` + 2 on.
+
+    Bitwise: once its state is restored, the resumed run executes the same operations in the same
+    order as the straight run (same code, config and thread count), so every logged float is the
+    same bits."""
+    s, r = train_records(straight), train_records(resumed, since)
+    assert r, f"{resumed} logged no training step"
+    assert min(r) == at + 1, f"the resumed run logged step {min(r)} first, not {at + 1}: it did not resume"
+    assert sorted(r) == [k for k in sorted(s) if k > at], (sorted(r), sorted(s))
+    for step, rec in r.items():
+        for key in RESUMED_KEYS:
+            assert rec.get(key) == s[step].get(key), (step, key, rec.get(key), s[step].get(key))

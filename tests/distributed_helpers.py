@@ -64,14 +64,16 @@ def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].float() - b[k].float()).norm() / b[k].float().norm().clamp_min(1e-12)) for k in a)
 
 
-def run_worker_pair(worker_source: str, out: Path, tail: list[str], nproc: int = 2) -> None:
+def run_worker_pair(worker_source: str, out: Path, tail: list[str], nproc: int = 2, one: bool = True) -> None:
     """Writes `worker_source` to out/worker.py and runs it as `nproc` torchrun processes ("two")
-    and, at the same time, as one plain process ("one"), both with argv [repo root, out, mode,
-    *tail] and one thread each; fails the test with the stderr tail of a run that did not succeed."""
+    and, at the same time (unless `one` is false), as one plain process ("one"), both with argv
+    [repo root, out, mode, *tail] and one thread each; fails the test with the stderr tail of a
+    run that did not succeed."""
     root = Path(__file__).resolve().parent.parent
     worker = out / "worker.py"
     worker.write_text(worker_source)
     env = child_env()
+    launchers = [(torchrun(nproc), "two")] + ([([sys.executable], "one")] if one else [])
     procs = [
         subprocess.Popen(
             [*launcher, str(worker), str(root), str(out), mode, *tail],
@@ -80,8 +82,24 @@ def run_worker_pair(worker_source: str, out: Path, tail: list[str], nproc: int =
             stderr=subprocess.PIPE,
             text=True,
         )
-        for launcher, mode in ((torchrun(nproc), "two"), ([sys.executable], "one"))
+        for launcher, mode in launchers
     ]
     for proc in procs:
         _, err = proc.communicate(timeout=1200)
         assert proc.returncode == 0, err[-4000:]
+
+
+def selected(request, argname: str, values: list[str]) -> list[str]:
+    """The values of the parameter `argname` that the selected tests using the requesting
+    module-scoped fixture ask for (``pytest -k`` or node ids may select a few), in `values`' order;
+    all of `values` when a selected test uses the fixture without that parameter. The fixture then
+    runs only the cases some selected test reads."""
+    asked = set()
+    for item in request.session.items:
+        if item.path != request.node.path or request.fixturename not in getattr(item, "fixturenames", ()):
+            continue
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        if argname not in params:
+            return list(values)
+        asked.add(params[argname])
+    return [v for v in values if v in asked] or list(values)

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from _common import ROOT
+from _common import ROOT, assert_resumed_from
 from distributed_helpers import COMMON, final, rel_diff, run_worker_pair
 from safetensors.torch import load_file
 
 from effpretrain.compile import compile_blocks, compiled_blocks
 from effpretrain.config import load_config
 from effpretrain.models import build_model, set_activation_checkpointing
+from effpretrain.models.llama import PRESETS
 from effpretrain.trainer import train
 
 # The issue's six families: full-rank, projection, factorized with restarts, sparse plus low-rank,
@@ -55,11 +56,25 @@ RUN = ["train.max_steps=20", "train.eval_every=0", "train.memory_steps=[]", "res
 
 
 def _pair(recipe: str, over: list[str], tmp_path: Path) -> tuple[dict, dict]:
+    """An eager and a compiled run of the same config; the compiled one is shown to have compiled
+    (`assert_compiled`)."""
     runs = []
     for flag in ("false", "true"):
         cfg = load_config(ROOT / "recipes" / "tiny" / f"{recipe}.yaml", over + [f"train.compile={flag}"])
+        if flag == "true":
+            torch._dynamo.reset()  # this process compiled these blocks before: compile them again
         runs.append(train(cfg, tmp_path / flag))
+    assert_compiled(runs[1], cfg)
+    assert runs[0]["compiled_blocks"] == 0 and runs[0]["compile_s"] == 0
     return runs[0], runs[1]
+
+
+def assert_compiled(summary: dict, cfg) -> None:
+    """The run compiled (time spent in Dynamo and Inductor during it: the caller resets Dynamo's
+    caches first, so an earlier test's graphs cannot serve it) and every decoder block of the
+    trained model ran compiled: a run that ignored `train.compile` has neither."""
+    assert summary["compile_s"] > 0, summary["compile_s"]
+    assert summary["compiled_blocks"] == PRESETS[cfg.model.preset].layers > 0
 
 
 def _close(eager: dict, compiled: dict) -> float:
@@ -76,7 +91,6 @@ def test_compiled_run_matches_eager(method, tmp_path, tiny_overrides):
     eager, compiled = _pair(method, tiny_overrides + RUN, tmp_path)
     assert _close(eager, compiled) <= TOLERANCE.get(method, 1e-4)
     assert compiled["steps"] == eager["steps"] == 20
-    assert compiled["compile_s"] >= 0 and eager["compile_s"] == 0
     # Memory by the same categories: compilation changes neither the weights nor the state.
     est = compiled["estimated"]
     assert compiled["weight_bytes"] == eager["weight_bytes"] == est["weights"]
@@ -96,10 +110,14 @@ def test_compiled_run_matches_eager_composed(case, tmp_path, tiny_overrides):
 @pytest.mark.parametrize("method", ["galore", "lowrank_restarts"])
 @pytest.mark.run
 def test_compiled_split_run_equals_straight_run(method, tmp_path, tiny_overrides):
-    """20 compiled steps straight vs 10 + resume (a refresh or a restart in each half): bitwise."""
-    over = tiny_overrides + RUN + ["train.save_every=10", "train.compile=true"]
+    """20 compiled steps straight vs 10 + resume (a refresh or a restart in each half): the resumed
+    run starts at step 11 with the straight run's loss there and ends bitwise equal (bitwise: the
+    same compiled kernels in the same order once the state is restored)."""
+    over = tiny_overrides + RUN + ["train.save_every=10", "train.compile=true", "train.log_every=1"]
     recipe = ROOT / "recipes" / "tiny" / f"{method}.yaml"
+    torch._dynamo.reset()
     straight = train(load_config(recipe, over), tmp_path / "straight")
+    assert_compiled(straight, load_config(recipe, over))
     split = train(
         load_config(recipe, over),
         tmp_path / "split",
@@ -109,6 +127,7 @@ def test_compiled_split_run_equals_straight_run(method, tmp_path, tiny_overrides
     b = load_file(str(tmp_path / "split" / "checkpoints" / "step-20" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert split["final_val_loss"] == straight["final_val_loss"]
+    assert_resumed_from(tmp_path / "straight", tmp_path / "split", 10)
 
 
 def _forward_backward(model: torch.nn.Module) -> None:
@@ -207,6 +226,7 @@ def test_compiled_two_processes_match_eager_and_one_process(method, sharding, di
 
     eager, compiled = summary(f"{method}-{sharding}-false"), summary(f"{method}-{sharding}-true")
     assert compiled["world_size"] == 2 and compiled["sharding"] == sharding
+    assert compiled["compiled_blocks"] == 4 and eager["compiled_blocks"] == 0
     assert _close(eager, compiled) <= TOLERANCE.get(method, 1e-4)
     diff = rel_diff(final(dist_runs / f"{method}-{sharding}-true"), final(dist_runs / f"{method}-1p"))
     print(f"compiled {sharding} 2 processes vs compiled 1 process: weights {diff:.3g}")

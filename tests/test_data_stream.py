@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _common import assert_resumed_from
 
 from effpretrain import data
 from effpretrain.config import ConfigError, DataConfig
@@ -372,6 +373,7 @@ def test_trainer_resume_on_a_files_source_is_exact(tmp_path):
         "train.eval_tokens=256",
         "train.eval_every=12",
         "train.plot=false",
+        "train.log_every=1",
     ]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train(load_config(recipe, over), straight)
@@ -379,7 +381,8 @@ def test_trainer_resume_on_a_files_source_is_exact(tmp_path):
     train(load_config(recipe, over), resumed, resume="auto")
 
     a, b = final_weights(straight, 12), final_weights(resumed, 12)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # same operations, in order
+    assert_resumed_from(straight, resumed, 6)  # the data position restored: step 7's loss is the same
     saved = torch.load(straight / "checkpoints" / "step-6" / "trainer.pt", weights_only=True)["data"]
     assert len(saved["ranks"]) == 1 and saved["ranks"][0]["reader"]["source"]["epoch"] == 0
 
@@ -426,12 +429,14 @@ def test_two_processes_read_their_own_shards_and_resume_exactly(tmp_path):
         "train.eval_tokens=128",
         "train.eval_every=8",
         "train.plot=false",
+        "train.log_every=1",
     ]
     out = tmp_path / "runs"
     out.mkdir()
     run_worker_pair(TWO_PROCESS_WORKER, out, over)
     step8 = [final_weights(out / run, 8) for run in ("straight", "split")]
-    assert all(torch.equal(step8[0][k], step8[1][k]) for k in step8[0])
+    assert all(torch.equal(step8[0][k], step8[1][k]) for k in step8[0])  # same operations, in order
+    assert_resumed_from(out / "straight", out / "split", 4)
     saved = torch.load(out / "straight" / "checkpoints" / "step-4" / "trainer.pt", weights_only=True)
     ranks = saved["data"]["ranks"]
     assert len(ranks) == 2 and saved["world_size"] == 2

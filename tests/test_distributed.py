@@ -9,7 +9,8 @@ import textwrap
 
 import pytest
 import torch
-from distributed_helpers import COMMON, final, registry_recipes, rel_diff, run_worker_pair
+from _common import assert_resumed_from, train_records
+from distributed_helpers import COMMON, final, registry_recipes, rel_diff, run_worker_pair, selected
 
 from effpretrain.config import load_config
 
@@ -30,6 +31,7 @@ WORKER = textwrap.dedent(
 
     root, out, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     methods, resume_methods, common = sys.argv[4].split(","), sys.argv[5].split(","), sys.argv[6:]
+    methods = [m for m in methods if m]
     recipe = lambda m: root / "recipes" / "tiny" / f"{m}.yaml"
     if mode == "one":
         # The same global batch of 4 rows as 2 micro-batches of 2 (one per rank in the DDP run);
@@ -40,8 +42,8 @@ WORKER = textwrap.dedent(
         sys.exit(0)
     for m in methods:
         train(load_config(recipe(m), common + ["train.batch_size=2"]), out / f"{m}-2p")
-    for m in resume_methods:
-        over = common + ["train.batch_size=2", "train.save_every=10"]
+    for m in filter(None, resume_methods):
+        over = common + ["train.batch_size=2", "train.save_every=10", "train.log_every=1"]
         train(load_config(recipe(m), over), out / f"{m}-straight")
         train(load_config(recipe(m), over), out / f"{m}-split",
               resume=str(out / f"{m}-straight" / "checkpoints" / "step-10"))
@@ -50,7 +52,7 @@ WORKER = textwrap.dedent(
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(request, tmp_path_factory):
     """The 2-process DDP runs (torchrun, gloo) and the 1-process reference runs, side by side.
 
     Both run with one thread per process (torchrun's default, OMP_NUM_THREADS=1) and the reference
@@ -60,7 +62,16 @@ def runs(tmp_path_factory):
     what makes a 1e-5 agreement meaningful rather than lucky.
     """
     out = tmp_path_factory.mktemp("dist")
-    run_worker_pair(WORKER, out, [",".join(METHODS), ",".join(RESUME_METHODS), *COMMON])
+    run_worker_pair(WORKER, out, [",".join(selected(request, "method", METHODS)), "", *COMMON])
+    return out
+
+
+@pytest.fixture(scope="module")
+def resume_runs(request, tmp_path_factory):
+    """2-process DDP runs straight and split at step 10 (a refresh and a restart after the split)."""
+    out = tmp_path_factory.mktemp("dist-resume")
+    resumes = selected(request, "method", RESUME_METHODS)
+    run_worker_pair(WORKER, out, ["", ",".join(resumes), *COMMON], one=False)
     return out
 
 
@@ -72,15 +83,24 @@ def test_ddp_two_processes_equal_one_process_at_same_global_batch(method, runs):
     assert two["tokens"] == one["tokens"]
     assert abs(two["final_val_loss"] - one["final_val_loss"]) <= 1e-5 * abs(one["final_val_loss"])
     assert rel_diff(final(runs / f"{method}-2p"), final(runs / f"{method}-1p")) <= 1e-5
+    # The logged gradient norm is the global batch's in both (a DDP gradient off by the world size
+    # would move it by that factor while AdamW's update, scale-free, hardly moves).
+    a, b = train_records(runs / f"{method}-1p"), train_records(runs / f"{method}-2p")
+    assert a.keys() == b.keys() and a
+    assert all(abs(b[k]["grad_norm"] - a[k]["grad_norm"]) <= 1e-5 * a[k]["grad_norm"] for k in a)
 
 
 @pytest.mark.parametrize("method", RESUME_METHODS)
-def test_resume_under_two_processes_is_exact(method, runs):
+def test_resume_under_two_processes_is_exact(method, resume_runs):
+    """The split run resumed at step 10 (its first logged step is 11, with the straight run's loss)
+    and ends bitwise equal: the same operations in the same order once the state is restored."""
+    runs = resume_runs
     a, b = final(runs / f"{method}-straight"), final(runs / f"{method}-split")
     assert all(torch.equal(a[k], b[k]) for k in a)
     sa = json.loads((runs / f"{method}-straight" / "summary.json").read_text())
     sb = json.loads((runs / f"{method}-split" / "summary.json").read_text())
     assert sa["final_val_loss"] == sb["final_val_loss"]
+    assert_resumed_from(runs / f"{method}-straight", runs / f"{method}-split", 10)
 
 
 def test_single_process_from_a_multi_process_launch_is_refused(monkeypatch):

@@ -156,8 +156,27 @@ def test_summary_reports_model_flops_and_a_null_mfu_on_cpu(tmp_path, tiny_overri
     assert s["model_flops_per_s"] == pytest.approx(s["flops_per_token"] * s["tokens_per_s"])
     assert s["mfu"] is None and s["peak_flops"] is None
     assert s["peak_flops_dtype"] == "fp32"  # an fp32 run without train.tf32
-    assert s["compile_s"] == 0.0
+    assert s["compile_s"] == 0.0 and s["compiled_blocks"] == 0
     over.append("train.peak_tflops=0.001")  # a stated peak gives an MFU even on CPU
     s = train(load_config(ROOT / "recipes" / "tiny" / "adamw.yaml", over), tmp_path / "stated")
     assert s["mfu"] == pytest.approx(s["model_flops_per_s"] / 1e9)
     assert s["peak_flops_source"] == "train.peak_tflops"
+
+
+@pytest.mark.run
+def test_a_compiled_run_reports_its_compile_time(tmp_path, tiny_overrides):
+    """`compile_s` is the time this run spent compiling, within its wall time (Dynamo's caches
+    reset first, so nothing compiled earlier in this process serves it), and every decoder block
+    ran compiled."""
+    import torch._dynamo
+
+    from effpretrain.trainer import train
+
+    over = tiny_overrides + ["train.max_steps=2", "train.eval_every=0", "train.memory_steps=[]"]
+    torch._dynamo.reset()
+    s = train(
+        load_config(ROOT / "recipes" / "tiny" / "adamw.yaml", over + ["train.compile=true"]), tmp_path / "c"
+    )
+    assert s["compile_s"] > 0 and s["compiled_blocks"] == 4
+    assert s["compile_s"] < s["wall_s"]
+    assert s["model_flops_per_s"] == pytest.approx(s["flops_per_token"] * s["tokens_per_s"])

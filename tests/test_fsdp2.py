@@ -16,8 +16,8 @@ import textwrap
 
 import pytest
 import torch
-from _common import ROOT, child_env
-from distributed_helpers import COMMON, final, registry_recipes, rel_diff, run_worker_pair
+from _common import ROOT, assert_resumed_from, child_env
+from distributed_helpers import COMMON, final, registry_recipes, rel_diff, run_worker_pair, selected
 
 import optimizers
 
@@ -85,7 +85,9 @@ WORKER = textwrap.dedent(
                 (out / "units.json").write_text(json.dumps(units))
             del tr
         train(cfg, out / f"{name}-2p")
-    over = fsdp + ["train.batch_size=2", "train.save_every=10"]  # with clipping
+    if not resume:
+        sys.exit(0)
+    over = fsdp + ["train.batch_size=2", "train.save_every=10", "train.log_every=1"]  # with clipping
     for m in resume.split(","):
         train(load_config(recipe(m), over), out / f"{m}-straight")
         train(load_config(recipe(m), over), out / f"{m}-split",
@@ -104,9 +106,20 @@ WORKER = textwrap.dedent(
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(request, tmp_path_factory):
+    """The 2-process FSDP2 runs of the selected cases and their 1-process references."""
     out = tmp_path_factory.mktemp("fsdp2")
-    run_worker_pair(WORKER, out, [json.dumps(CASES), ",".join(RESUMES), *COMMON])
+    cases = {name: CASES[name] for name in selected(request, "name", list(CASES))}
+    run_worker_pair(WORKER, out, [json.dumps(cases), "", *COMMON])
+    return out
+
+
+@pytest.fixture(scope="module")
+def resume_runs(request, tmp_path_factory):
+    """2-process FSDP2 runs straight and split at step 10 (sharded checkpoints), and the first
+    one's checkpoint resumed under DDP (refused: ddp-resume.txt)."""
+    out = tmp_path_factory.mktemp("fsdp2-resume")
+    run_worker_pair(WORKER, out, ["{}", ",".join(selected(request, "name", RESUMES)), *COMMON], one=False)
     return out
 
 
@@ -171,7 +184,11 @@ def test_refactorization_ran_on_sharded_factors(runs):
 
 
 @pytest.mark.parametrize("name", RESUMES)
-def test_resume_under_two_fsdp2_processes_is_exact(name, runs):
+def test_resume_under_two_fsdp2_processes_is_exact(name, resume_runs):
+    """The split run resumed at step 10 (its first logged step is 11, with the straight run's loss)
+    and ends bitwise equal: the same operations in the same order once the state is restored."""
+    runs = resume_runs
+    assert_resumed_from(runs / f"{name}-straight", runs / f"{name}-split", 10)
     a, b = final(runs / f"{name}-straight"), final(runs / f"{name}-split")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     sa = json.loads((runs / f"{name}-straight" / "summary.json").read_text())
@@ -179,9 +196,9 @@ def test_resume_under_two_fsdp2_processes_is_exact(name, runs):
     assert sa["final_val_loss"] == sb["final_val_loss"]
 
 
-def test_fsdp2_checkpoints_are_sharded_with_dcp(runs):
+def test_fsdp2_checkpoints_are_sharded_with_dcp(resume_runs):
     """Each rank wrote its own shard file (torch.distributed.checkpoint); no whole-model file."""
-    ckpt = runs / f"{RESUME}-straight" / "checkpoints" / "step-20"
+    ckpt = resume_runs / f"{RESUME}-straight" / "checkpoints" / "step-20"
     files = sorted(p.name for p in (ckpt / "dcp").iterdir())
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"], files
     assert not (ckpt / "model.safetensors").exists() and not (ckpt / "optimizer.pt").exists()
@@ -202,8 +219,8 @@ def test_export_of_an_fsdp2_checkpoint_equals_the_one_process_model(runs, tmp_pa
     assert all(torch.equal(exported[k], one[k]) for k in exported)
 
 
-def test_resume_with_another_world_size_is_refused(runs, tmp_path):
-    ckpt = runs / f"{RESUME}-straight" / "checkpoints" / "step-10"
+def test_resume_with_another_world_size_is_refused(resume_runs, tmp_path):
+    ckpt = resume_runs / f"{RESUME}-straight" / "checkpoints" / "step-10"
     args = [*COMMON, "dist.sharding=fsdp2", "train.batch_size=2", "train.save_every=10"]
     cmd = [sys.executable, "-m", "effpretrain", "train", str(ROOT / "recipes" / "tiny" / f"{RESUME}.yaml")]
     for a in args:
@@ -217,8 +234,10 @@ def test_resume_with_another_world_size_is_refused(runs, tmp_path):
     assert "written by 2 processes" in res.stderr
 
 
-def test_resume_with_another_sharding_is_refused(runs):
-    assert "written with dist.sharding=fsdp2, this run uses ddp" in (runs / "ddp-resume.txt").read_text()
+def test_resume_with_another_sharding_is_refused(resume_runs):
+    assert (
+        "written with dist.sharding=fsdp2, this run uses ddp" in (resume_runs / "ddp-resume.txt").read_text()
+    )
 
 
 def test_eval_of_an_fsdp2_checkpoint_in_one_process(runs, capsys):
@@ -277,7 +296,7 @@ WORKER3 = textwrap.dedent(
         train(load_config(recipe(m), fsdp), out / f"{m}-3p")
     for m in gather.split(","):  # every rank gathers and steps every matrix (the earlier path)
         train(load_config(recipe(m), fsdp + ["dist.whole_matrix=gather"]), out / f"{m}-3p-gather")
-    over = fsdp + ["train.save_every=10"]
+    over = fsdp + ["train.save_every=10", "train.log_every=1"]
     train(load_config(recipe("galore"), over), out / "galore-straight")
     train(load_config(recipe("galore"), over), out / "galore-split",
           resume=str(out / "galore-straight" / "checkpoints" / "step-10"))
@@ -328,6 +347,9 @@ def test_owner_ranks_and_gathering_on_every_rank_give_the_same_bits(name, runs3)
 
 
 def test_resume_under_three_fsdp2_processes_is_exact(runs3):
+    """Resumed at step 10 (first logged step 11, the straight run's loss there), bitwise equal at
+    the end: the same operations in the same order once the state is restored."""
+    assert_resumed_from(runs3 / "galore-straight", runs3 / "galore-split", 10)
     a, b = final(runs3 / "galore-straight"), final(runs3 / "galore-split")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     files = sorted(p.name for p in (runs3 / "galore-straight" / "checkpoints" / "step-10" / "dcp").iterdir())

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from _common import ROOT, TINY, in_backward_kind
+from _common import ROOT, TINY, assert_resumed_from, in_backward_kind
 from distributed_helpers import registry_recipes
 
 import optimizers
@@ -198,8 +198,10 @@ def test_clipping_equals_reference_rule(method, accum, tmp_path, monkeypatch):
 @pytest.mark.parametrize("method", ["galore", "lowrank_restarts"])
 @pytest.mark.run
 def test_exact_resume(method, tmp_path):
-    """Acceptance 4: 20 updates straight vs 10 + resume: bitwise equal (clipping on, so the saved
-    previous norm matters; lowrank_restarts restarts at 7 and 14, galore refreshes at 7, 13, 19)."""
+    """Acceptance 4: 20 updates straight vs 10 + resume: the resumed run starts at step 11 with the
+    straight run's loss there and ends bitwise equal (clipping on, so the saved previous norm
+    matters; lowrank_restarts restarts at 7 and 14, galore refreshes at 7, 13, 19). Bitwise: the
+    same operations in the same order once the state is restored."""
     over = ("train.grad_clip=0.05", "train.update_in_backward=true", "train.save_every=10")
     if method == "galore":
         over += ("optim.update_proj_gap=6",)  # refreshes at 1, 7, 13 and 19 (13 and 19 after resuming)
@@ -209,6 +211,7 @@ def test_exact_resume(method, tmp_path):
     _, resumed = run(tmp_path, method, "resumed", *over, resume=str(ckpt))
     a, b = weights(straight), weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a), max_rel(a, b)
+    assert_resumed_from(straight, resumed, 10)
 
 
 @pytest.mark.run

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _common import TINY, TINY_OVERRIDES
+from _common import TINY, TINY_OVERRIDES, assert_resumed_from
 from distributed_helpers import COMMON, final, rel_diff, run_worker_pair
 
 from effpretrain import flops, memory
@@ -64,7 +64,7 @@ def evals(run: Path) -> list[float]:
     ],
 )
 def test_family_trains_matches_the_estimate_and_resumes_exactly(configs, tmp_path, family, method):
-    over = overrides(configs[family], "train.save_every=10")
+    over = overrides(configs[family], "train.save_every=10", "train.log_every=1")
     cfg = load_config(TINY / f"{method}.yaml", over)
     straight = train(cfg, tmp_path / "straight")
     assert straight["model"] == family and straight["vocab_size"] == VOCAB
@@ -82,8 +82,10 @@ def test_family_trains_matches_the_estimate_and_resumes_exactly(configs, tmp_pat
     )
     a = read_model_state(tmp_path / "straight" / "checkpoints" / "step-20")
     b = read_model_state(tmp_path / "resumed" / "checkpoints" / "step-20")
+    # Bitwise: the same operations in the same order once the state is restored.
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert resumed["final_val_loss"] == straight["final_val_loss"]
+    assert_resumed_from(tmp_path / "straight", tmp_path / "resumed", 10)
 
 
 WORKER = textwrap.dedent(
@@ -101,7 +103,8 @@ WORKER = textwrap.dedent(
             train(load_config(recipe, common + ["train.batch_size=2", "train.grad_accum=2"]), out / f"{m}-1p")
             continue
         for sharding in shardings:
-            over = common + ["train.batch_size=2", f"dist.sharding={sharding}", "train.save_every=10"]
+            over = common + ["train.batch_size=2", f"dist.sharding={sharding}", "train.save_every=10",
+                             "train.log_every=1"]
             train(load_config(recipe, over), out / f"{m}-{sharding}")
         step10 = out / f"{m}-fsdp2" / "checkpoints" / "step-10"  # resumed from a sharded checkpoint
         train(load_config(recipe, over), out / f"{m}-fsdp2-resumed", resume=str(step10))
@@ -130,10 +133,12 @@ def test_tied_qwen2_two_processes_equal_one(configs, tmp_path):
             assert "lm_head.weight" not in final(run)  # stored once, under the embedding's key
             assert two["estimate_matches_measured"]["optimizer_state"], (m, sharding)
             assert two["weight_bytes"] == two["estimated"]["weights"], (m, sharding)
+        # Bitwise: the same operations in the same order once the state is restored.
         resumed, straight = final(tmp_path / f"{m}-fsdp2-resumed"), final(tmp_path / f"{m}-fsdp2")
         assert (
             all(torch.equal(resumed[k], straight[k]) for k in straight) and resumed.keys() == straight.keys()
         )
+        assert_resumed_from(tmp_path / f"{m}-fsdp2", tmp_path / f"{m}-fsdp2-resumed", 10)
 
 
 @pytest.mark.multiprocess
@@ -171,6 +176,7 @@ def test_8bit_moments_of_whole_block_rows_step_their_fsdp2_shards(tmp_path, in_b
     assert not state["model.norm.weight"]["exp_avg"]["sharded"]
     resumed, straight = final(tmp_path / "galore_8bit-fsdp2-resumed"), final(tmp_path / "galore_8bit-fsdp2")
     assert resumed.keys() == straight.keys() and all(torch.equal(resumed[k], straight[k]) for k in straight)
+    assert_resumed_from(tmp_path / "galore_8bit-fsdp2", tmp_path / "galore_8bit-fsdp2-resumed", 10)
 
 
 @pytest.mark.run

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _common import ROOT, child_env
+from _common import ROOT, assert_resumed_from, child_env, metrics_lines
 from safetensors.torch import load_file
 
 from effpretrain import cli
@@ -99,8 +99,10 @@ def test_sigterm_then_resume_auto_matches_uninterrupted(straight, tmp_path):
     assert stopped and not (out / "summary.json").exists()
     stop_step = max(int(p.name.split("-")[1]) for p in stopped)
     assert 4 <= stop_step < 30
+    since = metrics_lines(out)
     train(load_config(RECIPE, over), out, resume="auto")
-    assert same(weights(out, 30), weights(ref_dir, 30))
+    assert same(weights(out, 30), weights(ref_dir, 30))  # bitwise: the same operations, in order
+    assert_resumed_from(ref_dir, out, stop_step, since)
 
 
 # A run whose next step (after step-2's checkpoint) or whose start-up (loading the corpus) takes
@@ -457,8 +459,10 @@ def test_sigkill_mid_save_keeps_previous_checkpoint_and_resume_continues(straigh
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert "step-10" in names and "step-20" not in names
     assert any(n.startswith("step-20.tmp-") for n in names)  # the half-written folder is not a checkpoint
+    since = metrics_lines(out)
     train(load_config(RECIPE, over), out, resume="auto")
     assert same(weights(out, 30), weights(ref_dir, 30))
+    assert_resumed_from(ref_dir, out, 10, since)
     assert not any(".tmp-" in p.name for p in (out / "checkpoints").iterdir())
 
 
@@ -472,10 +476,12 @@ def test_truncated_newest_checkpoint_falls_back_to_previous(straight, tmp_path, 
     (out / "summary.json").unlink()
     opt = out / "checkpoints" / "step-20" / "optimizer.pt"
     opt.write_bytes(opt.read_bytes()[: opt.stat().st_size // 2])
+    since = metrics_lines(out)
     with caplog.at_level("WARNING", logger="effpretrain"):
         train(load_config(RECIPE, over), out, resume="auto")
     assert any("skipping checkpoint step-20" in r.message for r in caplog.records)
     assert same(weights(out, 30), final)
+    assert_resumed_from(ref_dir, out, 10, since)
 
 
 @pytest.mark.run

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _common import ROOT
+from _common import ROOT, assert_resumed_from
 from distributed_helpers import rel_diff, run_worker_pair
 from safetensors.torch import load_file
 
@@ -289,8 +289,9 @@ def test_resume_across_the_switch_is_exact(straight, tmp_path, at):
         load_config(RECIPE, SAVED), tmp_path / "run", resume=str(run / "checkpoints" / f"step-{at}")
     )
     a, b = weights(run, STEPS), weights(tmp_path / "run", STEPS)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # same operations, in order
     assert resumed["final_val_loss"] == summary["final_val_loss"]
+    assert_resumed_from(run, tmp_path / "run", at)
     assert resumed["optimizer_state_bytes"] == summary["optimizer_state_bytes"]
 
 

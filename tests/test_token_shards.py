@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _common import assert_resumed_from
 
 from effpretrain import data
 from effpretrain.cli import main
@@ -354,6 +355,7 @@ def test_train_on_tokens_resumes_exactly(prepared, tmp_path, tiny_overrides):
         "train.save_every=3",
         "train.eval_every=0",
         "model.preset=tiny",
+        "train.log_every=1",
     ]
     straight = train(load_config(None, over), tmp_path / "straight")
     resumed = train(
@@ -367,7 +369,8 @@ def test_train_on_tokens_resumes_exactly(prepared, tmp_path, tiny_overrides):
         load_file(str(tmp_path / r / "checkpoints" / "step-6" / "model.safetensors"))
         for r in ("straight", "resumed")
     )
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # same operations, in order
+    assert_resumed_from(tmp_path / "straight", tmp_path / "resumed", 3)
     assert resumed["final_val_loss"] == straight["final_val_loss"]
     # The trainer read per rank, as for data.source=files: the step-3 position is this rank's
     # TokenReader count (documents consumed), not a global stream cursor.

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _common import ROOT
+from _common import ROOT, assert_resumed_from
 from safetensors.torch import load_file
 
 from effpretrain.config import load_config
@@ -98,24 +98,60 @@ def test_tiny_recipe_trains_and_memory_matches(recipe, tmp_path, tiny_overrides)
     )
 
 
-@pytest.mark.fast
-def test_split_run_equals_straight_run(tmp_path, tiny_overrides):
-    """Acceptance 3: 40 steps straight vs 20 + resume to 40: bitwise-equal weights, same val_loss."""
-    over = tiny_overrides + ["train.max_steps=40", "train.save_every=20", "train.eval_every=20"]
-    recipe = ROOT / "recipes" / "tiny" / "adamw.yaml"
+@pytest.mark.parametrize("method", [pytest.param("adamw", marks=pytest.mark.fast), "galore_8bit"])
+def test_split_run_equals_straight_run(method, tmp_path, tiny_overrides):
+    """16 steps straight vs 8 + resume to 16 (AdamW; GaLore-8bit: 8-bit moments with their scales,
+    a basis refresh after the split): the resumed run starts at step 9 with the straight run's
+    loss and lr there (`assert_resumed_from`), and ends on bitwise-equal weights and the same
+    val_loss (bitwise: the same operations in the same order once the state is restored)."""
+    over = tiny_overrides + [
+        "train.max_steps=16",
+        "train.save_every=8",
+        "train.eval_every=8",
+        "train.log_every=1",
+        "optim.update_proj_gap=5",
+    ]
+    recipe = ROOT / "recipes" / "tiny" / f"{method}.yaml"
     straight = train(load_config(recipe, over), tmp_path / "straight")
-    assert (tmp_path / "straight" / "checkpoints" / "step-20").is_dir()
-    # Resume the straight run's step-20 checkpoint into a fresh run directory.
+    assert (tmp_path / "straight" / "checkpoints" / "step-8").is_dir()
+    # Resume the straight run's step-8 checkpoint into a fresh run directory.
     resumed = train(
         load_config(recipe, over),
         tmp_path / "resumed",
-        resume=str(tmp_path / "straight" / "checkpoints" / "step-20"),
+        resume=str(tmp_path / "straight" / "checkpoints" / "step-8"),
     )
     a, b = final_weights(tmp_path / "straight"), final_weights(tmp_path / "resumed")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert resumed["final_val_loss"] == straight["final_val_loss"]
-    assert resumed["steps"] == straight["steps"] == 40
+    assert resumed["steps"] == straight["steps"] == 16
+    assert_resumed_from(tmp_path / "straight", tmp_path / "resumed", 8)
+
+
+def test_split_relora_run_restores_the_random_state(tmp_path, tiny_overrides):
+    """ReLoRA draws each merge's new A from the global RNG: with merges after steps 4 and 8 and the
+    split at 6, the straight run's RNG at the split has moved past a fresh process's (the merge at
+    4 drew from it), so the resumed run's merge at 8 equals the straight run's only if the
+    checkpoint's RNG state was restored. Bitwise: the same operations in the same order once the
+    state is restored."""
+    over = tiny_overrides + [
+        "train.max_steps=10",
+        "train.save_every=6",
+        "train.eval_every=0",
+        "train.log_every=1",
+        "restarts.every=4",
+        "restarts.recovery_steps=2",
+    ]
+    recipe = ROOT / "recipes" / "tiny" / "relora.yaml"
+    train(load_config(recipe, over), tmp_path / "straight")
+    train(
+        load_config(recipe, over),
+        tmp_path / "resumed",
+        resume=str(tmp_path / "straight" / "checkpoints" / "step-6"),
+    )
+    assert_resumed_from(tmp_path / "straight", tmp_path / "resumed", 6)
+    a, b = final_weights(tmp_path / "straight"), final_weights(tmp_path / "resumed")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_grad_accum_matches_bigger_batch(tmp_path, tiny_overrides):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _common import ROOT
+from _common import ROOT, assert_resumed_from
 from safetensors.torch import load_file
 
 from effpretrain import cli
@@ -238,10 +238,17 @@ def _final_weights(run: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("kind", ["cola", "cola_m"])
 def test_split_run_equals_straight_run(kind, tmp_path, tiny_overrides):
-    """Exact resume: 6 steps straight vs 3 + resume to 6, bitwise-equal weights and val loss."""
+    """Exact resume: 6 steps straight vs 3 + resume to 6 (which starts at step 4 with the straight
+    run's loss there), bitwise-equal weights and val loss: the same operations in the same order
+    once the state is restored."""
     from effpretrain.trainer import train
 
-    over = tiny_overrides + ["train.max_steps=6", "train.save_every=3", "train.eval_every=3"]
+    over = tiny_overrides + [
+        "train.max_steps=6",
+        "train.save_every=3",
+        "train.eval_every=3",
+        "train.log_every=1",
+    ]
     recipe = ROOT / "recipes" / "tiny" / f"{kind}.yaml"
     straight = train(load_config(recipe, over), tmp_path / "straight")
     resumed = train(
@@ -252,6 +259,7 @@ def test_split_run_equals_straight_run(kind, tmp_path, tiny_overrides):
     a, b = _final_weights(tmp_path / "straight"), _final_weights(tmp_path / "resumed")
     assert a.keys() == b.keys() and any(k.endswith("q_proj.A") for k in a)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_resumed_from(tmp_path / "straight", tmp_path / "resumed", 3)
     assert resumed["final_val_loss"] == straight["final_val_loss"] and math.isfinite(
         straight["final_val_loss"]
     )

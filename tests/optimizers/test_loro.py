@@ -8,6 +8,7 @@ from __future__ import annotations
 import harness
 import pytest
 import torch
+from _common import assert_resumed_from
 from harness import roundtrip, state_bytes_of
 
 import optimizers
@@ -322,6 +323,7 @@ def test_trainer_resume_across_an_exact_step_is_bitwise_exact(tmp_path, tiny_ove
         "train.save_every=2",
         "train.keep_checkpoints=3",
         "restarts.every=3",
+        "train.log_every=1",
     ]
     straight = train(load_config(_tiny_recipe(), over), tmp_path / "straight")
     assert straight["opt/restarts"] == 2
@@ -334,4 +336,5 @@ def test_trainer_resume_across_an_exact_step_is_bitwise_exact(tmp_path, tiny_ove
     assert resumed["steps"] == 6
     a = load_file(str(tmp_path / "straight" / "checkpoints" / "step-6" / "model.safetensors"))
     b = load_file(str(resumed_dir / "checkpoints" / "step-6" / "model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # same operations, in order
+    assert_resumed_from(tmp_path / "straight", resumed_dir, 2)

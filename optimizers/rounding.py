@@ -1,0 +1,133 @@
+"""How a weight's new value is rounded to its storage: counter-based noise, stochastic rounding to
+bf16, and INT8 codes with per-group scales.
+
+Noise. A stochastic rounding needs one uniform draw per element. The draws here are counter-based:
+element ``i`` (its offset in the whole parameter, row-major) of parameter ``k`` at step ``t`` of a
+run seeded ``s`` draws ``u = hash(hash(s, k, t) + i) / 2^24``, a pure function of those four
+integers. So DDP replicas draw the same noise without communicating, an FSDP2 shard draws exactly
+its rows' share of the one-process draws (it passes its first row's offset), a CPU and a GPU draw
+the same, and a resumed run draws what the uninterrupted one would have with no generator state in
+its checkpoint. The hash is the 32-bit "lowbias32" integer finaliser (two multiply-xorshift rounds;
+constants by C. Wellons' hash prospector), computed in int64 with the multiplications split into
+16-bit halves, so no intermediate exceeds 2^49 on any device; ``u`` keeps its top 24 bits and is
+exactly representable in fp32, uniform on [0, 1) in steps of 2^-24.
+
+bf16. ``x`` (fp32) rounds to one of the two bf16 values around it with probabilities that make
+the result unbiased: E[round(x)] = x. With the fp32 bits of ``x`` as an integer b (sign and
+magnitude), adding floor(u 2^16) to b and clearing the low 16 bits moves the magnitude up a bf16
+step with probability frac (the dropped bits / 2^16) and truncates it otherwise: for either sign,
+the result is x's magnitude rounded up with probability equal to its distance from the lower
+value, over the step.
+
+INT8. A weight of shape (m, n) is stored as int8 codes (m, n) and fp32 scales (m, ceil(n / g)):
+row r's columns [j g, (j + 1) g) form group (r, j), whose scale is its absmax / 127 (1 where the
+group is all zero); a value x of the group is code q = round(x / scale) in [-127, 127] and reads
+back as q scale. Groups run along a row, so a row-sharded (FSDP2) weight never splits one. Bytes:
+``m n + 4 m ceil(n / g)`` (1.03 B per element at g = 128). A new value rounds stochastically
+(floor(x / scale + u): E = x / scale, unbiased) or to nearest; the scale is recomputed from the
+new values at every write.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_M32 = 0xFFFFFFFF
+_K1, _K2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers
+_GOLDEN = 0x9E3779B9
+
+
+def _mul32(x: torch.Tensor | int, c: int) -> torch.Tensor | int:
+    """(x c) mod 2^32 for x in [0, 2^32), without an intermediate above 2^49."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor | int) -> torch.Tensor | int:
+    """The lowbias32 finaliser on 32-bit values (tensors of int64, or Python ints)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, _K1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _K2)
+    return x ^ (x >> 16)
+
+
+def stream_key(seed: int, param: int, step: int) -> int:
+    """The 32-bit key of one parameter's noise at one step of a run."""
+    k = _mix32((int(seed) & _M32) ^ _GOLDEN)
+    k = _mix32(k ^ (int(param) & _M32))
+    return int(_mix32(k ^ (int(step) & _M32)))
+
+
+def uniform(key: int, offset: int, shape: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
+    """fp32 uniforms on [0, 1) for the elements ``offset, offset + 1, ...`` of a noise stream
+    `key` (`stream_key`), laid out in `shape` (row-major)."""
+    n = math.prod(shape)
+    idx = torch.arange(offset, offset + n, dtype=torch.int64, device=device)
+    # Offsets past 2^32 (tensors of more than 4G elements) fold their high bits into the key.
+    h = _mix32(((idx & _M32) + (_mix32(key ^ ((idx >> 32) & _M32)) if offset + n > _M32 else key)) & _M32)
+    return ((h >> 8).to(torch.float32) * (1.0 / (1 << 24))).reshape(shape)
+
+
+def round_bf16_(out: torch.Tensor, x: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
+    """Writes fp32 `x` into bf16 `out`: stochastically with uniforms `u` (same shape), or to
+    nearest for None. Returns `out`."""
+    if u is None:
+        return out.copy_(x)
+    bits = x.float().contiguous().view(torch.int32).to(torch.int64)
+    bits = (bits + (u * 65536.0).to(torch.int64)) & ~0xFFFF
+    # Back to int32 (two's complement of the 32-bit pattern), then fp32, exactly a bf16 value.
+    bits = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32)
+    finite = torch.isfinite(x)
+    rounded = torch.where(finite, bits.view(torch.float32), x.float())
+    return out.copy_(rounded)
+
+
+def int8_groups(n: int, group: int) -> int:
+    """Groups per row of an n-column INT8 weight with groups of `group` columns."""
+    return -(-n // group)
+
+
+def int8_nbytes(shape: tuple[int, ...], group: int) -> int:
+    """Bytes of an INT8 weight: codes (1 B per element) and fp32 scales (one per group)."""
+    m, n = shape
+    return m * n + 4 * m * int8_groups(n, group)
+
+
+def dequantize_int8(
+    codes: torch.Tensor, scales: torch.Tensor, group: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The values of INT8 `codes` (m, n) with `scales` (m, ceil(n / group)), in `dtype` (the
+    product is taken in fp32 and cast once): one (m, n) temporary of fp32 (and one of `dtype`)."""
+    m, n = codes.shape
+    g = scales.shape[1]
+    if g * group == n:
+        x = codes.to(torch.float32).reshape(m, g, group).mul_(scales.unsqueeze(2)).reshape(m, n)
+    else:
+        x = codes.to(torch.float32).mul_(scales.repeat_interleave(group, dim=1)[:, :n])
+    return x if dtype == torch.float32 else x.to(dtype)
+
+
+def quantize_int8_(
+    codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, group: int, u: torch.Tensor | None
+) -> None:
+    """Writes fp32 `x` (m, n) into `codes` and `scales` in place: per-group scale absmax / 127,
+    codes floor(x / scale + u) with uniforms `u` (stochastic) or round(x / scale) for None."""
+    m, n = x.shape
+    g = int8_groups(n, group)
+    pad = g * group - n
+    xp = torch.nn.functional.pad(x.float(), (0, pad)) if pad else x.float()
+    blocks = xp.reshape(m, g, group)
+    absmax = blocks.abs().amax(dim=2)
+    scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
+    q = blocks / scale.unsqueeze(2)
+    if u is None:
+        q = torch.round(q)
+    else:
+        up = torch.nn.functional.pad(u, (0, pad)) if pad else u
+        q = torch.floor(q + up.reshape(m, g, group))
+    q = q.clamp_(-127, 127).reshape(m, g * group)[:, :n]
+    codes.copy_(q.to(torch.int8))
+    scales.copy_(scale)
