@@ -61,7 +61,9 @@ def stream_key(seed: int, param: int, step: int) -> int:
     return int(_mix32(k ^ (int(step) & _M32)))
 
 
-def uniform(key: int, offset: int, shape: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
+def uniform(
+    key: int, offset: int, shape: tuple[int, ...], device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """fp32 uniforms on [0, 1) for the elements ``offset, offset + 1, ...`` of a noise stream
     `key` (`stream_key`), laid out in `shape` (row-major)."""
     n = math.prod(shape)
