@@ -96,7 +96,9 @@ def test_compiled_run_matches_eager_composed(case, tmp_path, tiny_overrides):
 @pytest.mark.parametrize("method", ["galore", "lowrank_restarts"])
 @pytest.mark.run
 def test_compiled_split_run_equals_straight_run(method, tmp_path, tiny_overrides):
-    """20 compiled steps straight vs 10 + resume (a refresh or a restart in each half): bitwise."""
+    """20 compiled steps straight vs 10 + resume (a refresh or a restart in each half): bitwise,
+    as the resumed run compiles the same graphs into the same kernels and runs them in the same
+    order as the straight one."""
     over = tiny_overrides + RUN + ["train.save_every=10", "train.compile=true"]
     recipe = ROOT / "recipes" / "tiny" / f"{method}.yaml"
     straight = train(load_config(recipe, over), tmp_path / "straight")

@@ -379,6 +379,7 @@ def test_trainer_resume_on_a_files_source_is_exact(tmp_path):
     train(load_config(recipe, over), resumed, resume="auto")
 
     a, b = final_weights(straight, 12), final_weights(resumed, 12)
+    # Bitwise: the resumed run executes the same kernels in the same order as the straight one.
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     saved = torch.load(straight / "checkpoints" / "step-6" / "trainer.pt", weights_only=True)["data"]
     assert len(saved["ranks"]) == 1 and saved["ranks"][0]["reader"]["source"]["epoch"] == 0
@@ -431,6 +432,7 @@ def test_two_processes_read_their_own_shards_and_resume_exactly(tmp_path):
     out.mkdir()
     run_worker_pair(TWO_PROCESS_WORKER, out, over)
     step8 = [final_weights(out / run, 8) for run in ("straight", "split")]
+    # Bitwise: the resumed run executes the same kernels in the same order as the straight one.
     assert all(torch.equal(step8[0][k], step8[1][k]) for k in step8[0])
     saved = torch.load(out / "straight" / "checkpoints" / "step-4" / "trainer.pt", weights_only=True)
     ranks = saved["data"]["ranks"]

@@ -76,6 +76,7 @@ def test_ddp_two_processes_equal_one_process_at_same_global_batch(method, runs):
 
 @pytest.mark.parametrize("method", RESUME_METHODS)
 def test_resume_under_two_processes_is_exact(method, runs):
+    """Bitwise: the resumed run executes the same kernels in the same order as the straight one."""
     a, b = final(runs / f"{method}-straight"), final(runs / f"{method}-split")
     assert all(torch.equal(a[k], b[k]) for k in a)
     sa = json.loads((runs / f"{method}-straight" / "summary.json").read_text())

@@ -55,7 +55,8 @@ def _has_restarts(stem: str) -> bool:
 
 def _expect(method: str) -> str:
     """What parity holds for a registered method: ``bitwise`` where the same kernels run on the
-    same sums (full accumulators); for the ``low_rank`` kind, which sums the projected
+    same sums (full accumulators: acc + G_k is the sum autograd's own accumulation forms, in the
+    same order, and each parameter's step runs the same per-tensor kernels); for the ``low_rank`` kind, which sums the projected
     micro-gradients P^T G_k where the normal path projects their sum, ``close`` (1e-5) with fp32
     moments and ``order`` with moments kept per block (`fsdp2_whole_state`: 8-bit blocks round a
     last-bit difference to a whole code step): closer to the normal path than reordering the same sum moves it."""
@@ -182,7 +183,9 @@ class PreviousNormClip:
 @pytest.mark.run
 def test_clipping_equals_reference_rule(method, accum, tmp_path, monkeypatch):
     """Acceptance 1, clipping on (0.05 bites every step here): update_in_backward equals the
-    reference implementation of the previous-norm rule on the normal path, bitwise."""
+    reference implementation of the previous-norm rule on the normal path, bitwise: both take the
+    same fp64 sum of squares in model order, the same fp32 coefficient, and multiply the same
+    summed gradients (full accumulators with clipping on) before the same per-tensor steps."""
     over = ("train.grad_clip=0.05", f"train.grad_accum={accum}", f"train.batch_size={2 * K // accum}")
     _, out = run(tmp_path, method, "inb", *over, "train.update_in_backward=true")
     with monkeypatch.context() as m:
@@ -199,7 +202,8 @@ def test_clipping_equals_reference_rule(method, accum, tmp_path, monkeypatch):
 @pytest.mark.run
 def test_exact_resume(method, tmp_path):
     """Acceptance 4: 20 updates straight vs 10 + resume: bitwise equal (clipping on, so the saved
-    previous norm matters; lowrank_restarts restarts at 7 and 14, galore refreshes at 7, 13, 19)."""
+    previous norm matters; lowrank_restarts restarts at 7 and 14, galore refreshes at 7, 13, 19).
+    Bitwise: the resumed run executes the same kernels in the same order as the straight one."""
     over = ("train.grad_clip=0.05", "train.update_in_backward=true", "train.save_every=10")
     if method == "galore":
         over += ("optim.update_proj_gap=6",)  # refreshes at 1, 7, 13 and 19 (13 and 19 after resuming)

@@ -82,6 +82,7 @@ def test_family_trains_matches_the_estimate_and_resumes_exactly(configs, tmp_pat
     )
     a = read_model_state(tmp_path / "straight" / "checkpoints" / "step-20")
     b = read_model_state(tmp_path / "resumed" / "checkpoints" / "step-20")
+    # Bitwise: the resumed run executes the same kernels in the same order as the straight one.
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert resumed["final_val_loss"] == straight["final_val_loss"]
 
@@ -131,6 +132,7 @@ def test_tied_qwen2_two_processes_equal_one(configs, tmp_path):
             assert two["estimate_matches_measured"]["optimizer_state"], (m, sharding)
             assert two["weight_bytes"] == two["estimated"]["weights"], (m, sharding)
         resumed, straight = final(tmp_path / f"{m}-fsdp2-resumed"), final(tmp_path / f"{m}-fsdp2")
+        # Bitwise: the resumed run executes the same kernels in the same order as the straight one.
         assert (
             all(torch.equal(resumed[k], straight[k]) for k in straight) and resumed.keys() == straight.keys()
         )
@@ -170,6 +172,7 @@ def test_8bit_moments_of_whole_block_rows_step_their_fsdp2_shards(tmp_path, in_b
         assert scales["sharded"] and scales["shape"] == [VOCAB, 1]
     assert not state["model.norm.weight"]["exp_avg"]["sharded"]
     resumed, straight = final(tmp_path / "galore_8bit-fsdp2-resumed"), final(tmp_path / "galore_8bit-fsdp2")
+    # Bitwise: the resumed run executes the same kernels in the same order as the straight one.
     assert resumed.keys() == straight.keys() and all(torch.equal(resumed[k], straight[k]) for k in straight)
 
 

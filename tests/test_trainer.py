@@ -100,7 +100,8 @@ def test_tiny_recipe_trains_and_memory_matches(recipe, tmp_path, tiny_overrides)
 
 @pytest.mark.fast
 def test_split_run_equals_straight_run(tmp_path, tiny_overrides):
-    """Acceptance 3: 40 steps straight vs 20 + resume to 40: bitwise-equal weights, same val_loss."""
+    """Acceptance 3: 40 steps straight vs 20 + resume to 40: bitwise-equal weights, same val_loss.
+    Bitwise: the resumed run executes the same kernels in the same order as the straight one."""
     over = tiny_overrides + ["train.max_steps=40", "train.save_every=20", "train.eval_every=20"]
     recipe = ROOT / "recipes" / "tiny" / "adamw.yaml"
     straight = train(load_config(recipe, over), tmp_path / "straight")
