@@ -212,7 +212,8 @@ def test_state_bytes_equal_the_formula(dtype: torch.dtype) -> None:
 
 
 def test_first_step_on_zero_gradients_only_allocates_state() -> None:
-    """A checkpoint loader's dummy step: state allocated, nothing moved, nothing counted."""
+    """A checkpoint loader's dummy step: state allocated, nothing moved, nothing counted. Bitwise:
+    the allocated (zero) state is stepped by the same kernels as a fresh optimizer's."""
     opt, params = _loro_run()
     fresh_opt, fresh = _loro_run()
     for p in params:
