@@ -302,6 +302,8 @@ def test_allow_oversubscribe_skips_the_preflight(tmp_path, monkeypatch):
 
 @pytest.mark.run
 def test_measuring_a_step_leaves_training_bitwise_unchanged(tmp_path):
+    """Bitwise: the measurement only observes (tensor accounting), so both runs execute the same
+    kernels in the same order."""
     from safetensors.torch import load_file
 
     over = _tiny_overrides() + ["train.max_steps=3", "train.eval_every=0", "train.eval_tokens=256"]

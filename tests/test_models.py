@@ -135,6 +135,7 @@ def test_tied_qwen2_two_processes_equal_one(configs, tmp_path):
             assert two["weight_bytes"] == two["estimated"]["weights"], (m, sharding)
         # Bitwise: the same operations in the same order once the state is restored.
         resumed, straight = final(tmp_path / f"{m}-fsdp2-resumed"), final(tmp_path / f"{m}-fsdp2")
+        # Bitwise: the resumed run executes the same kernels in the same order as the straight one.
         assert (
             all(torch.equal(resumed[k], straight[k]) for k in straight) and resumed.keys() == straight.keys()
         )
@@ -175,6 +176,7 @@ def test_8bit_moments_of_whole_block_rows_step_their_fsdp2_shards(tmp_path, in_b
         assert scales["sharded"] and scales["shape"] == [VOCAB, 1]
     assert not state["model.norm.weight"]["exp_avg"]["sharded"]
     resumed, straight = final(tmp_path / "galore_8bit-fsdp2-resumed"), final(tmp_path / "galore_8bit-fsdp2")
+    # Bitwise: the resumed run executes the same kernels in the same order as the straight one.
     assert resumed.keys() == straight.keys() and all(torch.equal(resumed[k], straight[k]) for k in straight)
     assert_resumed_from(tmp_path / "galore_8bit-fsdp2", tmp_path / "galore_8bit-fsdp2-resumed", 10)
 

@@ -42,7 +42,8 @@ def test_smoke_runs_every_section_on_cpu(tmp_path):
         assert rows and all(r["status"] == "ok" for r in rows), rows
         assert (tmp_path / f"{section}.md").read_text().startswith(f"### {section}")
     rows = {s: json.loads((tmp_path / f"{s}.json").read_text())["rows"] for s in gc.SECTIONS}
-    # Every registry row is checked, and the CPU against itself is exact.
+    # Every registry row is checked, and the CPU against itself is exact (the same five steps run
+    # twice in one process: the same kernels in the same order).
     assert len(rows["numerics"]) == len(gc.numerics_recipes())
     assert all(r["worst_weight_rel_diff"] == 0 for r in rows["numerics"])
     assert {r["case"] for r in rows["memory"]} == {

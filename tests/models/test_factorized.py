@@ -137,7 +137,7 @@ def test_sltrain_support_survives_state_dict_round_trip():
     other.load_state_dict(torch.load(buf, weights_only=True))
     assert torch.equal(other.sparse_index, layer.sparse_index)
     x = torch.randn(4, layer.in_features)
-    assert torch.equal(other(x), layer(x))
+    assert torch.equal(other(x), layer(x))  # bitwise: the same tensors through the same forward
 
 
 @pytest.mark.parametrize("kind", KINDS)
