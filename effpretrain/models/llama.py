@@ -14,6 +14,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from effpretrain.errors import ConfigError
+from effpretrain.models.materialize import AfterLayer, build_layerwise
 
 #: The architectures with the LLaMA layer layout (q/k/v/o, gate/up/down, RMSNorm), by their HF
 #: class name, with their config's ``model_type``.
@@ -289,20 +290,39 @@ def model_class(config: Any) -> type:
 
 
 def build_model(
-    preset: str | ModelShape | Any, vocab_size: int | None = None, max_positions: int = 1024, seed: int = 0
+    preset: str | ModelShape | Any,
+    vocab_size: int | None = None,
+    max_positions: int = 1024,
+    seed: int = 0,
+    *,
+    after_layer: AfterLayer | None = None,
+    layerwise: bool = True,
 ):
     """Builds a freshly initialised model (fp32) deterministically from `seed`: a preset or shape
     (its config at `vocab_size` and `max_positions`), or a transformers config of a supported
-    architecture as it is."""
+    architecture as it is.
+
+    The values are those of ``cls(config)`` after ``torch.manual_seed(seed)``. By default the model
+    is created on the meta device and materialized one unit (decoder layer, embedding, norm, head)
+    at a time with those values bit for bit (`effpretrain.models.materialize`), running
+    `after_layer` on each unit once it is final; `layerwise` False builds it whole, as transformers
+    does (the reference the layer-by-layer build is tested against). Under a ``torch.device("meta")``
+    context it builds on the meta device, allocating nothing.
+    """
     if isinstance(preset, (str, ModelShape)):
         cfg = build_llama_config(preset, vocab_size, max_positions)
     else:
         cfg = preset
     cls = model_class(cfg)
+    if torch.empty(0).device.type == "meta":
+        return cls(cfg)
+    if layerwise:
+        return build_layerwise(cls, cfg, seed, after_layer)
+    if after_layer is not None:
+        raise ValueError("build_model: after_layer needs layerwise=True")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = cls(cfg)
-    return model
+        return cls(cfg)
 
 
 def set_activation_checkpointing(model: torch.nn.Module, every: int | Collection[int]) -> int:
