@@ -214,6 +214,7 @@ def test_a_factorized_tied_qwen2_exports_and_reloads(configs, tmp_path):
     "preset, params",
     [
         ("llama_7b", 6_738_415_616),  # Llama-2-7b
+        ("llama_13b", 13_015_864_320),  # Llama-2-13b
         ("llama3_8b", 8_030_261_248),  # Meta-Llama-3-8B
         ("qwen2.5_0.5b", 494_032_768),  # Qwen2.5-0.5B (tied)
     ],

@@ -151,6 +151,8 @@ PRESETS: dict[str, ModelShape] = {
     "llama_1b": ModelShape(hidden=2048, intermediate=5461, heads=32, layers=24),
     # LLaMA-2-7B (GaLore's 7B; Touvron et al. 2023, Table 1 and its config.json).
     "llama_7b": ModelShape(hidden=4096, intermediate=11008, heads=32, layers=32),
+    # LLaMA-2-13B (its config.json; LLaMA-1's 13B has the same shape: Touvron et al. 2023, Table 2).
+    "llama_13b": ModelShape(hidden=5120, intermediate=13824, heads=40, layers=40),
     # Llama-3-8B (Meta's config.json): grouped-query attention, a 128,256 vocabulary.
     "llama3_8b": ModelShape(
         hidden=4096, intermediate=14336, heads=32, layers=32, vocab=128256, kv_heads=8, rope_theta=500000.0
