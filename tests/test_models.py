@@ -358,22 +358,34 @@ def test_a_layer_by_layer_build_holds_its_final_bytes_plus_one_layer(dtype):
 
 
 def test_the_run_model_is_built_layer_by_layer_in_its_precision():
-    """A bf16-pure dense run's model is cast layer by layer as it is built: the values of the fp32
-    whole build cast to bf16 (an elementwise rounding of the same values); a factorized run's
-    stays fp32 until its surgery is done (`place_model` casts it)."""
+    """A bf16-pure dense run's model is cast layer by layer as it is built, a factorized one's
+    after its surgery (which creates its factors from fp32 weights); placed, each holds the
+    parameters and buffers (RoPE's, which `place_model` casts with the rest) of the whole fp32
+    build placed as before: an elementwise cast of the same values."""
     from effpretrain.run_model import build_run_model, place_model
 
     over = [*TINY_OVERRIDES, "train.precision=bf16-pure"]
-    cfg = load_config(TINY / "adamw.yaml", over)
-    model, _ = build_run_model(cfg, VOCAB)
-    ref = build_model("tiny", VOCAB, 32, seed=cfg.train.seed, layerwise=False).to(torch.bfloat16)
-    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
-    cfg = load_config(TINY / "lowrank_restarts.yaml", over)
-    model, _ = build_run_model(cfg, VOCAB)
-    assert {p.dtype for p in model.parameters()} == {torch.float32}
-    placed = place_model(model, cfg, "cpu", 0)
-    assert {p.dtype for p in placed.parameters()} == {torch.bfloat16}
+    for recipe, built in (("adamw", torch.bfloat16), ("lowrank_restarts", torch.float32)):
+        cfg = load_config(TINY / f"{recipe}.yaml", over)
+        with torch.random.fork_rng(devices=[]):  # the surgery draws from the global generator
+            torch.manual_seed(0)
+            model, _ = build_run_model(cfg, VOCAB)
+        assert {p.dtype for p in model.parameters()} == {built}, recipe
+        whole = build_model("tiny", VOCAB, 32, seed=cfg.train.seed, layerwise=False)
+        if cfg.factor.kind != "none":
+            from effpretrain.models import apply_factorization
+
+            f = cfg.factor
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                apply_factorization(whole, f.kind, f.rank, f.alpha, targets=tuple(f.targets), seed=f.seed)
+        a = dict(place_model(model, cfg, "cpu", 0).state_dict(keep_vars=True))
+        b = dict(place_model(whole, cfg, "cpu", 0).state_dict(keep_vars=True))
+        a.update(model.named_buffers())
+        b.update(whole.named_buffers())
+        assert a.keys() == b.keys()
+        assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a), recipe
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
 # ----------------------------------------------------------------------------------------------
