@@ -9,8 +9,9 @@ runtime included). A tiny build runs first, untimed, for the imports a first bui
 model's final bytes and its largest unit in fp32 are reported beside them:
 the layer-by-layer build holds at most the sum of the two.
 
-A watchdog ends the process (exit code 3, nothing written) when its RSS passes ``--max-rss-gb``, so
-a build too large for a shared machine stops before it crowds the other processes out.
+A watchdog ends the process (exit code 3, nothing written) when its RSS passes ``--max-rss-gb`` or
+the machine has less than ``--reserve-gb`` available, so a build too large for a shared machine
+stops before it crowds the other processes out.
 
     python benchmarks/model_build.py --model llama_7b --dtype bf16 [--whole] [--max-rss-gb 16]
         [--out benchmarks/results/model_build.json]
@@ -43,13 +44,22 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def watchdog(limit: float) -> None:
-    """Ends the process when its RSS passes `limit` bytes."""
+def available_bytes() -> int:
+    """The machine's MemAvailable (Linux): what can still be allocated without swapping or the OOM
+    killer."""
+    with open("/proc/meminfo") as f:
+        line = next(x for x in f if x.startswith("MemAvailable:"))
+    return int(line.split()[1]) * 1024
+
+
+def watchdog(limit: float, reserve: float) -> None:
+    """Ends the process when its RSS passes `limit` bytes, or when the machine has less than
+    `reserve` bytes available (the other processes on it keep their memory)."""
 
     def watch() -> None:
         while True:
-            if rss_bytes() > limit:
-                log(f"RSS passed {limit / 1e9:.1f} GB: stopped")
+            if rss_bytes() > limit or available_bytes() < reserve:
+                log(f"RSS {rss_bytes() / 1e9:.1f} GB, available {available_bytes() / 1e9:.1f} GB: stopped")
                 os._exit(3)
             time.sleep(0.1)
 
@@ -91,6 +101,9 @@ def build(model: str, dtype: torch.dtype, whole: bool) -> dict:
         "peak_rss_bytes": peak_memory_bytes(torch.device("cpu")),
         "wall_s": round(wall, 1),
         "threads": torch.get_num_threads(),
+        # glibc returns freed blocks above this size to the OS at once; unset, freed fp32 layers
+        # can stay in the heap and count in the RSS
+        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
     }
 
 
@@ -100,9 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--whole", action="store_true", help="build whole in fp32, then cast (the old path)")
     ap.add_argument("--max-rss-gb", type=float, default=16.0)
+    ap.add_argument("--reserve-gb", type=float, default=1.5, help="stop when the machine has less available")
     ap.add_argument("--out", type=Path, help="JSON file the row is added to")
     args = ap.parse_args(argv)
-    watchdog(args.max_rss_gb * 1e9)
+    watchdog(args.max_rss_gb * 1e9, args.reserve_gb * 1e9)
     row = {**provenance(), "command": " ".join(["python benchmarks/model_build.py", *sys.argv[1:]])}
     row.update(build(args.model, DTYPES[args.dtype], args.whole))
     print(json.dumps(row, indent=1))
