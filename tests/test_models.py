@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _common import TINY, TINY_OVERRIDES
+from _common import ROOT, TINY, TINY_OVERRIDES
 from distributed_helpers import COMMON, final, rel_diff, run_worker_pair
 
 from effpretrain import flops, memory
@@ -386,6 +386,24 @@ def test_the_run_model_is_built_layer_by_layer_in_its_precision():
         assert a.keys() == b.keys()
         assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a), recipe
         assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_the_committed_build_measurements_hold_the_bound_and_the_docs_quote_them():
+    """benchmarks/results/model_build.json: each layer-by-layer build peaked (tensor accounting)
+    at most at its final bytes plus its largest unit in fp32, each whole build above that; the
+    table in docs/models.md quotes every row."""
+    rows = json.loads((ROOT / "benchmarks" / "results" / "model_build.json").read_text())["rows"]
+    doc = (ROOT / "docs" / "models.md").read_text()
+    assert {r["path"] for r in rows} == {"layer_by_layer", "whole"}
+    for r in rows:
+        final, peak = r["final_bytes"], r["measured_peak_bytes"]
+        if r["path"] == "layer_by_layer":
+            assert final <= peak <= final + r["largest_unit_fp32_bytes"], r["model"]
+        else:
+            assert peak > final + r["largest_unit_fp32_bytes"], r["model"]
+        how = "layer by layer" if r["path"] == "layer_by_layer" else "whole, then cast"
+        gb = [f"{r[k] / 1e9:.2f} GB" for k in ("final_bytes", "measured_peak_bytes", "peak_rss_bytes")]
+        assert f"| {r['model']} | {how} | {' | '.join(gb)} | {round(r['wall_s'])} s |" in doc, r["model"]
 
 
 # ----------------------------------------------------------------------------------------------
