@@ -22,8 +22,12 @@ from effpretrain.models.llama import load_hf_config, model_shape
 
 
 def build_run_model(cfg: RunConfig, vocab_size: int) -> tuple[torch.nn.Module, dict[str, Any] | None]:
-    """The fp32 model a run trains: the preset, or ``model.config``'s model as it is, seeded,
-    plus factorization surgery if configured.
+    """The model a run trains: the preset, or ``model.config``'s model as it is, seeded, plus
+    factorization surgery if configured; built layer by layer (`effpretrain.models.materialize`).
+    Its weights are fp32, or, for a ``bf16-pure`` run without factorization, bf16: each layer is
+    cast as soon as it is initialised (the values `place_model`'s cast of the fp32 model gives), so
+    the fp32 model is never held whole. A factorized model stays fp32 here: the surgery creates
+    its factors from fp32 weights, and `place_model` casts after it.
 
     Returns:
         The model and the surgery's report (None without a factorization).
@@ -33,16 +37,18 @@ def build_run_model(cfg: RunConfig, vocab_size: int) -> tuple[torch.nn.Module, d
             a supported architecture or its vocabulary is not the tokenizer's, or the factorization
             rejects its options.
     """
+    dtype = weights_dtype(cfg)
+    cast = None if dtype == torch.float32 or cfg.factor.kind != "none" else (lambda _, layer: layer.to(dtype))
     if cfg.model.config:
         hf_config = run_hf_config(cfg, vocab_size)
-        model = build_model(hf_config, seed=cfg.train.seed)
+        model = build_model(hf_config, seed=cfg.train.seed, after_layer=cast)
     else:
         max_pos = cfg.model.max_position_embeddings or cfg.data.seq_len
         if cfg.data.seq_len > max_pos:
             raise ConfigError(
                 f"data.seq_len={cfg.data.seq_len} exceeds model.max_position_embeddings={max_pos}"
             )
-        model = build_model(cfg.model.preset, vocab_size, max_pos, seed=cfg.train.seed)
+        model = build_model(cfg.model.preset, vocab_size, max_pos, seed=cfg.train.seed, after_layer=cast)
     report = None
     if cfg.factor.kind != "none":
         try:
@@ -58,6 +64,11 @@ def build_run_model(cfg: RunConfig, vocab_size: int) -> tuple[torch.nn.Module, d
         except ValueError as e:
             raise ConfigError(f"factor: {e}") from None
     return model, report
+
+
+def weights_dtype(cfg: RunConfig) -> torch.dtype:
+    """The dtype a run's weights train in: bf16 for ``bf16-pure``, else fp32."""
+    return torch.bfloat16 if cfg.train.precision == "bf16-pure" else torch.float32
 
 
 def run_hf_config(cfg: RunConfig, vocab_size: int) -> Any:
@@ -93,8 +104,8 @@ def place_model(
     if cfg.factor.warm_start_steps:
         begin_warm_start_(model)  # before DDP wraps it: DDP reduces what requires grad now
     set_activation_checkpointing(model, checkpointed)
-    if cfg.train.precision == "bf16-pure":
-        model = model.to(torch.bfloat16)
+    if weights_dtype(cfg) != torch.float32:
+        model = model.to(weights_dtype(cfg))  # a factorized model's (a dense one is built so)
     model = model.to(device)
     if cfg.train.compile:
         compile_blocks(model)  # before sharding: FSDP2 then wraps the compiled blocks
