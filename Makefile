@@ -3,14 +3,27 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TORCH_VERSION := 2.13.0
+# A CUDA build of torch for a machine with an NVIDIA driver: PyPI's Linux wheel is one (the exact
+# version string, ===, passes over a CPU build such as 2.13.0+cpu that a local wheel folder may
+# offer). Another CUDA: make venv TORCH_CUDA='torch==2.13.0+cu126 --index-url https://download.pytorch.org/whl/cu126'
+TORCH_CUDA ?= torch===$(TORCH_VERSION)
 
-.PHONY: venv train test test-fast mutants lint docs format clean gpu-wheels
+.PHONY: venv train test test-fast test-gpu mutants lint docs format clean gpu-wheels
 
+# torch first, so the range in pyproject.toml installs nothing more: where an NVIDIA driver is
+# loaded (effpretrain/devices.py looks for its files; nvidia-smi need not be on PATH) a CUDA build,
+# checked to be one; elsewhere the CPU build. -I: the script's folder stays off the import path.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# CPU machines: take the local CPU build of torch first so the range below installs nothing more.
-	if ! command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q torch==2.13.0; fi
+	if $(BIN)/python -I effpretrain/devices.py; then \
+		$(BIN)/pip install -q $(TORCH_CUDA) && \
+		$(BIN)/python -c 'import sys, torch; sys.exit(torch.version.cuda is None)' || \
+		{ echo "an NVIDIA driver is loaded but no CUDA build of torch installed; set TORCH_CUDA (see Makefile)" >&2; exit 1; }; \
+	else \
+		$(BIN)/pip install -q torch==$(TORCH_VERSION); \
+	fi
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
@@ -21,13 +34,20 @@ train: $(STAMP)
 
 # Two pytest workers with one thread each use both cores without oversubscription (OpenMP threads
 # of concurrent processes spin against each other and slow tiny-model tests down many times over).
+# tests/conftest.py hides every GPU from the suite and its children (the same results on any
+# machine); the CUDA-only tests are make test-gpu's.
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile -m 'not slow and not gpu' $(PYTEST_ARGS)
 
 # The edit-test loop: unit tests and the in-process runs of one method per family (markers in
 # tests/conftest.py), every module touched; the whole suite stays `make test`.
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile -m fast $(PYTEST_ARGS)
+
+# The CUDA-only tests (tests/gpu/, marker gpu), one process, with the GPUs visible; not part of
+# make test or CI. Without a visible GPU each one is skipped.
+test-gpu: $(STAMP)
+	EFFPRETRAIN_TEST_GPU=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m gpu tests/gpu $(PYTEST_ARGS)
 
 # Mutation checks (tests/mutants.py): each named breakage of the product, applied to a copy of the
 # checkout, must make the tests that claim the behaviour fail; lists which tests caught each one.

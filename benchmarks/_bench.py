@@ -19,7 +19,18 @@ import torch
 
 from effpretrain.reporting import cpu_description, device_name, git_commit
 
-__all__ = ["Budget", "Skipped", "log", "needs_package", "provenance", "run_cases", "seconds", "write_result"]
+__all__ = [
+    "Budget",
+    "Missing",
+    "Skipped",
+    "log",
+    "missing_module",
+    "needs_package",
+    "provenance",
+    "run_cases",
+    "seconds",
+    "write_result",
+]
 
 
 def log(msg: str) -> None:
@@ -72,7 +83,13 @@ def seconds(
 
 
 class Skipped(Exception):
-    """A case or section that cannot run here (a missing package): reported, not a failure."""
+    """A case or section that cannot run here for a reason other than a missing package: reported,
+    not a failure."""
+
+
+class Missing(Exception):
+    """A case or section whose package is not installed: reported as "missing" (never as skipped,
+    so an incomplete install does not read as a complete run)."""
 
 
 class Budget:
@@ -88,18 +105,30 @@ class Budget:
         return self.left() >= cost_s
 
 
-def needs_package(err: ImportError) -> Skipped:
-    """The skip of a case whose package is missing, naming it (our own ImportErrors name it)."""
-    if err.name:
-        return Skipped(f"needs {err.name} (not installed)")
-    return Skipped(str(err).splitlines()[0])
+def missing_module(err: BaseException) -> str | None:
+    """The top-level package that a ModuleNotFoundError names, looked for along the chain of causes
+    (the optimizers re-raise a missing bitsandbytes as an ImportError with a hint), or None: an
+    ImportError that is not a missing package (a name missing from a module) is a failure."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, ModuleNotFoundError) and seen.name:
+            return seen.name.split(".")[0]
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def needs_package(err: ImportError) -> Missing | ImportError:
+    """A case's missing package as `Missing`, naming it; `err` itself when it is not one."""
+    name = missing_module(err)
+    return Missing(f"needs {name} (not installed)") if name else err
 
 
 def run_cases(
     cases: list[tuple[str, float, Callable[[], dict[str, Any]]]], budget: Budget
 ) -> list[dict[str, Any]]:
     """Runs (label, expected seconds, case) in order: each gives a row, or a row saying it was
-    skipped (with why), not reached (the budget), or failed (the error's last line)."""
+    skipped (with why), missing a package (`Missing`, or a ModuleNotFoundError), not reached (the
+    budget), or failed (the error's last line)."""
     rows = []
     for label, cost, case in cases:
         if not budget.allows(cost):
@@ -111,11 +140,19 @@ def run_cases(
             row = {"case": label, "status": "ok", **case()}
         except Skipped as e:
             row = {"case": label, "status": "skipped", "note": str(e)}
-        except ImportError as e:
-            row = {"case": label, "status": "skipped", "note": str(needs_package(e))}
+        except Missing as e:
+            row = {"case": label, "status": "missing", "note": str(e)}
         except Exception as e:  # a failure is reported and the check goes on
-            traceback.print_exc(file=sys.stderr)
-            row = {"case": label, "status": "failed", "note": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+            name = missing_module(e) if isinstance(e, ImportError) else None
+            if name is not None:
+                row = {"case": label, "status": "missing", "note": f"needs {name} (not installed)"}
+            else:
+                traceback.print_exc(file=sys.stderr)
+                row = {
+                    "case": label,
+                    "status": "failed",
+                    "note": f"{type(e).__name__}: {str(e).splitlines()[0]}",
+                }
         row["seconds"] = round(time.monotonic() - t0, 1)
         rows.append(row)
     return rows

@@ -31,8 +31,12 @@ device's name, and the torch and CUDA versions; ``DIR/summary.md`` joins them):
   tokens/s ratio and the peak-memory ratio.
 
 Data is the built-in corpus and synthetic token ids only: nothing is downloaded, and `datasets` is
-never imported. A section whose package is missing (bitsandbytes for the 8-bit methods,
-galore-torch for ``hf``) is reported as skipped, with the package, and the rest still runs.
+never imported; the tokenizer cache goes to a scratch folder (`EFFPRETRAIN_CACHE`, unless set).
+
+Packages (`NEEDS`: bitsandbytes for the 8-bit methods, galore-torch for ``hf``) are checked
+before the first case: a missing one is named in a ``MISSING PACKAGES`` line at the start and at
+the end, the cases that need it are reported ``missing`` (never ``skipped``), the rest runs, and
+the exit code is 3. ``--packages`` checks them alone (after installing the carried wheels).
 
 ``--budget-s``: a case starts only with time left for it; the cases not reached are listed.
 
@@ -42,10 +46,11 @@ path cannot rot while no GPU is at hand. Only CUDA calls (synchronisation, the a
 statistics) are left untaken.
 
 Wheels for a GPU machine without network: ``make gpu-wheels`` (bitsandbytes, galore-torch, about 43
-MB, in the ignored ``.whl/``); there ``pip install --no-index --no-deps --target /tmp/site .whl/*.whl``.
+MB, in the ignored ``.whl/``, for Python 3.12); there ``python3 -m pip install --no-index --no-deps
+--target /tmp/site .whl/*.whl`` and ``export PYTHONPATH=/tmp/site`` (docs/gpu.md, "Install").
 
 Exit code: 0 when every reached case ran (targets and flags reported, not asserted); 1 when one raised;
-2 for bad arguments.
+2 for bad arguments; 3 when none raised but a needed package is missing.
 """
 
 from __future__ import annotations
@@ -54,8 +59,10 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import importlib
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -69,7 +76,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import gpu_report  # noqa: E402
-from _bench import Budget, Skipped, log, needs_package, provenance, run_cases  # noqa: E402
+from _bench import Budget, Missing, Skipped, log, needs_package, provenance, run_cases  # noqa: E402
 
 from effpretrain import flops  # noqa: E402
 from effpretrain.config import load_config  # noqa: E402
@@ -96,6 +103,12 @@ COMPILE_TARGET = 1.15
 VS_ADAMW_TARGET = {"galore": 0.90, "apollo_mini": 0.95, "muon": 0.85}
 EXACT = ("weights", "gradients", "optimizer_state")
 PEAK_TOLERANCE = 0.05
+#: The packages the sections need beyond the toolkit's own requirements (import name: sections):
+#: the wheels `make gpu-wheels` carries to a GPU machine without network (docs/gpu.md, "Install").
+NEEDS: dict[str, tuple[str, ...]] = {
+    "bitsandbytes": ("numerics", "memory", "step_7b"),
+    "galore_torch": ("hf",),
+}
 
 
 @dataclass(frozen=True)
@@ -167,9 +180,53 @@ def sync(device: str) -> None:
 
 
 def free(device: str) -> None:
+    """Collects what the last case left (reference cycles included) and, on CUDA, returns the
+    allocator's cached blocks, so the next case starts from the same memory."""
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------
+# packages: checked before the first case; a missing one is "missing", never "skipped"
+
+
+def missing_packages(sections: list[str]) -> dict[str, str]:
+    """The `NEEDS` packages that the chosen sections need and that do not import, each with why
+    (its error's first line). Imported for real, not only found: a wheel for another Python, or
+    one whose own library does not load, is as missing as an absent one."""
+    out = {}
+    for name, needed_by in NEEDS.items():
+        if not set(needed_by) & set(sections):
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # ImportError, or a wheel whose native library raises on load
+            out[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else name}"
+    return out
+
+
+def missing_line(missing: dict[str, str]) -> str:
+    """The one prominent line naming the missing packages and the sections that need them."""
+    names = ", ".join(f"{n} ({', '.join(NEEDS[n])})" if n in NEEDS else n for n in missing)
+    return (
+        f"gpu_check: MISSING PACKAGES: {names}: their cases are reported 'missing' and the exit code "
+        "is 3; install the carried wheels (docs/gpu.md, Install) and rerun"
+    )
+
+
+def report_packages() -> int:
+    """``--packages``: each `NEEDS` package, ok (with its version) or MISSING; 3 if one is missing."""
+    missing = missing_packages(list(SECTIONS))
+    for name, needed_by in NEEDS.items():
+        if name in missing:
+            print(f"MISSING  {name:14s} needed by {', '.join(needed_by)}: {missing[name]}")
+        else:
+            version = getattr(importlib.import_module(name), "__version__", "?")
+            print(f"ok       {name:14s} {version}")
+    if missing:
+        print(missing_line(missing))
+    return 3 if missing else 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -350,36 +407,53 @@ def timed_optimizer(opt: Any, device: str, seconds: list[float]) -> Iterator[Non
         del opt.step
 
 
-def speed_case(method: str, scale: Scale, batch: int, compiled: bool) -> dict[str, Any]:
-    from effpretrain.compile import compile_seconds
+def _allocated(device: str) -> int | None:
+    return int(torch.cuda.memory_allocated()) if device == "cuda" else None
+
+
+def _timed_steps(cfg: Any, scale: Scale) -> tuple[list[float], list[float], dict[str, Any]]:
+    """Builds `cfg`'s model, optimizer and batch on the device and times warm-up + timed steps:
+    (step seconds, optimizer-step seconds, telemetry), plain numbers only. Everything it builds
+    (the model, the optimizer and its state, the `step` closure that holds both) is local to this
+    frame, so it is garbage once this returns, whatever the closures refer to."""
     from effpretrain.optim_setup import build_optimizer_and_schedule, opt_telemetry
     from effpretrain.run_model import build_run_model, make_train_step, place_model, synthetic_batch
 
-    cfg = paper_config(method, scale, batch, (f"train.compile={str(compiled).lower()}",))
     model, _ = build_run_model(cfg, scale.vocab)
     model = place_model(model, cfg, scale.device, 0)
     opt, sched = build_optimizer_and_schedule(model, cfg)
     mb = synthetic_batch(cfg, scale.vocab, 0, scale.device)
     step = make_train_step(model, opt, cfg, lambda k: mb, sched=sched)
-    before = compile_seconds()
     opt_s: list[float] = []
     times = []
+    with timed_optimizer(opt, scale.device, opt_s):
+        for _ in range(scale.warmup + scale.timed):
+            sync(scale.device)
+            t0 = time.perf_counter()
+            step()
+            sync(scale.device)
+            times.append(time.perf_counter() - t0)
+    return times, opt_s, opt_telemetry(opt)
+
+
+def speed_case(method: str, scale: Scale, batch: int, compiled: bool) -> dict[str, Any]:
+    """One speed row. The case's tensors live in `_timed_steps`'s frame alone; after it returns
+    (or raises) `free` collects them, cycles included (an LR scheduler and the optimizer refer to
+    each other), and returns CUDA's cached blocks, so cases do not pile up on the device."""
+    from effpretrain.compile import compile_seconds
+
+    cfg = paper_config(method, scale, batch, (f"train.compile={str(compiled).lower()}",))
+    before = compile_seconds()
+    held = _allocated(scale.device)
     try:
-        with timed_optimizer(opt, scale.device, opt_s):
-            for _ in range(scale.warmup + scale.timed):
-                sync(scale.device)
-                t0 = time.perf_counter()
-                step()
-                sync(scale.device)
-                times.append(time.perf_counter() - t0)
-        tel = opt_telemetry(opt)
+        times, opt_s, tel = _timed_steps(cfg, scale)
     finally:
-        del model, opt, sched
         free(scale.device)
+    leftover = None if held is None else _allocated(scale.device) - held
     steady = statistics.median(times[scale.warmup :])
     tokens_per_s = batch * scale.seq_len / steady
     per_token = flops.run_flops_per_token(cfg, scale.vocab)
-    peak, _ = flops.peak_flops(torch.device(scale.device), cfg.train.peak_tflops)
+    peak, _, peak_dtype = flops.run_peak_flops(cfg, torch.device(scale.device))
     refresh = None
     if tel.get("opt/refreshes"):  # one refresh's time over the steps between refreshes
         refresh = tel["opt/refresh_s"] / tel["opt/refreshes"] / cfg.optim.update_proj_gap
@@ -391,6 +465,11 @@ def speed_case(method: str, scale: Scale, batch: int, compiled: bool) -> dict[st
         "compile_s": compile_seconds() - before,
         "tokens_per_s": tokens_per_s,
         "mfu": flops.mfu(per_token * tokens_per_s, peak),
+        "peak_flops_dtype": peak_dtype,
+        # CUDA bytes still allocated after the case freed what it built, against before it: a
+        # leak into the next case shows here (the first case may also leave cuBLAS's workspace,
+        # a few MiB, which later cases reuse). None on the CPU, which has no allocator statistics.
+        "leftover_bytes": leftover,
         "optimizer_share": statistics.median(opt_s[scale.warmup :]) / steady,
         "refresh_amortised_s": refresh,
     }
@@ -605,6 +684,9 @@ def run_section(section: str, scale: Scale, budget: Budget, scratch: Path) -> li
     except Skipped as e:
         log(f"  skipped: {e}")
         return [{"case": section, "status": "skipped", "note": str(e)}]
+    except Missing as e:
+        log(f"  missing: {e}")
+        return [{"case": section, "status": "missing", "note": str(e)}]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -621,6 +703,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="every section at tiny scale on the CPU")
     p.add_argument(
         "--readme", action="store_true", help="only render docs/gpu.md's results from the committed JSON"
+    )
+    p.add_argument(
+        "--packages",
+        action="store_true",
+        help="only check the packages the sections need (exit 3 if one is missing)",
     )
     args = p.parse_args(argv)
     args.sections = [s for s in args.sections.split(",") if s]
@@ -639,6 +726,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.readme:
         print("docs/gpu.md " + ("updated" if update_readme() else "unchanged"))
         return 0
+    if args.packages:
+        return report_packages()
     scale = SMOKE if args.smoke else FULL
     if scale.device == "cuda" and not torch.cuda.is_available():
         print(
@@ -648,16 +737,39 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (ROOT / "runs" / "gpu-check-smoke" if args.smoke else RESULTS)
     budget, prov = Budget(args.budget_s), provenance(scale.device)
     log(f"gpu_check on {prov['device']} (commit {prov['commit']}), budget {args.budget_s:.0f} s")
+    missing = missing_packages(args.sections)
+    if missing:
+        log(missing_line(missing))
     failed = False
-    with tempfile.TemporaryDirectory() as scratch:
+    with tempfile.TemporaryDirectory() as scratch, _scratch_cache(Path(scratch) / "cache"):
         for section in args.sections:
             rows = run_section(section, scale, budget, Path(scratch))
             write_section(out, section, prov, rows)
             failed |= any(r["status"] == "failed" for r in rows)
+            for r in rows:  # a case's own missing import, even of a package outside NEEDS
+                if r["status"] == "missing":
+                    name = r["note"].removeprefix("needs ").split(" ")[0]
+                    missing.setdefault(name, r["note"])
     summary = "\n".join((out / f"{s}.md").read_text() for s in args.sections)
     (out / "summary.md").write_text(summary)
     print(summary)
-    return 1 if failed else 0
+    if missing:
+        print(missing_line(missing))
+    return 1 if failed else 3 if missing else 0
+
+
+@contextlib.contextmanager
+def _scratch_cache(path: Path) -> Iterator[None]:
+    """The tokenizer cache in the scratch folder unless `EFFPRETRAIN_CACHE` is set: the check
+    writes nothing outside its output, and needs no platformdirs (not on every GPU image)."""
+    if "EFFPRETRAIN_CACHE" in os.environ:
+        yield
+        return
+    os.environ["EFFPRETRAIN_CACHE"] = str(path)
+    try:
+        yield
+    finally:
+        del os.environ["EFFPRETRAIN_CACHE"]
 
 
 if __name__ == "__main__":

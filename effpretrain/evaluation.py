@@ -206,7 +206,7 @@ def _evaluation_set_up(cfg: Any, scratch: Path) -> tuple[Any, ValidationSet, tor
     """The processes (checked as a training launch is), the validation set and the placed model."""
     from accelerate.utils import set_seed
 
-    acc = make_accelerator(cfg, scratch)
+    acc = make_accelerator(cfg, scratch, announce=False)
     check_launch(acc.num_processes, cfg)
     set_seed(cfg.train.seed)
     with acc.main_process_first():

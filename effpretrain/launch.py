@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import math
 import os
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from effpretrain import grad_norm
+from effpretrain import devices, grad_norm
 from effpretrain.checkpoint.states import ShardedFormat, WholeFormat
 from effpretrain.config import RunConfig
 from effpretrain.errors import ConfigError
@@ -20,26 +21,52 @@ from effpretrain.fsdp import apply_fsdp2
 from effpretrain.in_backward import AllReduceMean, broadcast_module_, check_same_order
 from effpretrain.models.quantize import quantized_weights
 
+log = logging.getLogger("effpretrain")
 
-def make_accelerator(cfg: RunConfig, out_dir: Path) -> Any:
-    """The run's `accelerate.Accelerator`: CPU without CUDA, bf16 autocast for `bf16-mixed`,
-    the configured trackers (refused up front when not installed), and DDP with
+
+def make_accelerator(
+    cfg: RunConfig, out_dir: Path, announce: bool = True, facts: devices.CudaFacts | None = None
+) -> Any:
+    """The run's `accelerate.Accelerator`: on the device `train.device` chooses
+    (`effpretrain.devices.choose`; ``cuda`` without a working CUDA is a ConfigError), bf16 autocast
+    for `bf16-mixed`, the configured trackers (refused up front when not installed), and DDP with
     ``gradient_as_bucket_view``: the gradients live in DDP's communication buckets instead of
     being copied into them, so a rank holds one full gradient, not two (the trainer's re-wrap
-    after a warm start reuses these kwargs)."""
+    after a warm start reuses these kwargs).
+
+    The main process prints the device it trains on (one line on stdout, with `announce`; `eval`
+    keeps its stdout for its JSON) and logs the choice's warning, if any (one line). `facts`: this
+    machine's (`devices.cuda_facts`) unless given."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
 
+    setting = cfg.train.device
+    try:
+        choice = devices.choose(setting, devices.cuda_facts() if facts is None else facts)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     for name in cfg.train.trackers:
         if importlib.util.find_spec(name) is None:
             raise ConfigError(f"train.trackers: {name} is not installed (pip install 'effpretrain[track]')")
-    return Accelerator(
-        cpu=not torch.cuda.is_available(),
+    acc = Accelerator(
+        cpu=choice.cpu,
         mixed_precision="bf16" if cfg.train.precision == "bf16-mixed" else "no",
         log_with=list(cfg.train.trackers) or None,
         project_dir=str(out_dir),
         kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)],
     )
+    if setting == "cuda" and acc.device.type != "cuda":
+        # Accelerate honours ACCELERATE_USE_CPU (accelerate launch --cpu) over its cpu= argument.
+        raise ConfigError(
+            f"train.device=cuda but Accelerate placed the run on {acc.device} (ACCELERATE_USE_CPU?)"
+        )
+    if acc.is_main_process:
+        name = f", {torch.cuda.get_device_name(acc.device)}" if acc.device.type == "cuda" else ""
+        if announce:
+            print(f"device: {acc.device} ({choice.reason}{name})", flush=True)
+        if choice.warning is not None:
+            log.warning(choice.warning)
+    return acc
 
 
 def _ddp_kwargs(**kwargs: Any) -> Any:

@@ -53,7 +53,7 @@ class RunReport:
     ):
         self.acc, self.cfg, self.out, self.start_step = acc, cfg, out, start_step
         self.flops_per_token = flops_per_token
-        self.peak, _ = flops.peak_flops(acc.device, cfg.train.peak_tflops)
+        self.peak, _, _ = flops.run_peak_flops(cfg, acc.device)
         self.metrics_path = out / "metrics.jsonl"
         self.file: IO[str] | None = None
         self._bar: Any = None
@@ -321,17 +321,20 @@ def speed_figures(
 ) -> dict[str, Any]:
     """summary.json's speed beside the throughput: ``flops_per_token`` (`flops.run_flops_per_token`),
     ``model_flops_per_s`` (that x the whole job's tokens/s), ``mfu`` (over every process's device
-    peak; null on CPU or an unknown device), ``peak_flops`` and ``peak_flops_source``, and
+    peak; null on CPU, an unknown device or a MIG slice), ``peak_flops``, ``peak_flops_dtype`` (the
+    dtype of the model's products whose peak it is: bf16, tf32 or fp32, `flops.peak_dtype`) and
+    ``peak_flops_source``, and
     ``compile_s`` (`train.compile`: the run's compilation time in this process: the training
     graphs', which the throughput includes, and the evaluation's; 0 eager)."""
     per_token = flops.run_flops_per_token(cfg, vocab_size, acc.num_processes)
-    peak, source = flops.peak_flops(acc.device, cfg.train.peak_tflops)
+    peak, source, dtype = flops.run_peak_flops(cfg, acc.device)
     achieved = per_token * tokens_per_s
     return {
         "flops_per_token": per_token,
         "model_flops_per_s": achieved,
         "mfu": flops.mfu(achieved, peak, acc.num_processes),
         "peak_flops": peak,
+        "peak_flops_dtype": dtype,
         "peak_flops_source": source,
         "compile_s": compile_s,
     }

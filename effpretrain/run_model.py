@@ -4,6 +4,7 @@ for the measurements and checks that run a step without the trainer's data pipel
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,12 @@ from effpretrain.models.quantize import quantize_weights_
 
 
 def build_run_model(cfg: RunConfig, vocab_size: int) -> tuple[torch.nn.Module, dict[str, Any] | None]:
-    """The fp32 model a run trains: the preset, or ``model.config``'s model as it is, seeded,
-    plus factorization surgery if configured.
+    """The model a run trains: the preset, or ``model.config``'s model as it is, seeded, plus
+    factorization surgery if configured; built layer by layer (`effpretrain.models.materialize`).
+    Its weights are fp32, or, for a ``bf16-pure`` run without factorization, bf16: each layer is
+    cast as soon as it is initialised (the values `place_model`'s cast of the fp32 model gives), so
+    the fp32 model is never held whole. A factorized model stays fp32 here: the surgery creates
+    its factors from fp32 weights, and `place_model` casts after it.
 
     Returns:
         The model and the surgery's report (None without a factorization).
@@ -34,16 +39,21 @@ def build_run_model(cfg: RunConfig, vocab_size: int) -> tuple[torch.nn.Module, d
             a supported architecture or its vocabulary is not the tokenizer's, or the factorization
             rejects its options.
     """
+    dtype = weights_dtype(cfg)
+    cast = None if dtype == torch.float32 or cfg.factor.kind != "none" else (lambda _, layer: layer.to(dtype))
+    if cfg.train.weight_quant == "int8" and cfg.factor.kind == "none":
+        # INT8 weights from the layer's own build on: a 13B model never exists in fp32 whole.
+        cast = functools.partial(_quantize_unit, cfg, cast)
     if cfg.model.config:
         hf_config = run_hf_config(cfg, vocab_size)
-        model = build_model(hf_config, seed=cfg.train.seed)
+        model = build_model(hf_config, seed=cfg.train.seed, after_layer=cast)
     else:
         max_pos = cfg.model.max_position_embeddings or cfg.data.seq_len
         if cfg.data.seq_len > max_pos:
             raise ConfigError(
                 f"data.seq_len={cfg.data.seq_len} exceeds model.max_position_embeddings={max_pos}"
             )
-        model = build_model(cfg.model.preset, vocab_size, max_pos, seed=cfg.train.seed)
+        model = build_model(cfg.model.preset, vocab_size, max_pos, seed=cfg.train.seed, after_layer=cast)
     report = None
     if cfg.factor.kind != "none":
         try:
@@ -68,6 +78,26 @@ def build_hf_config(cfg: RunConfig, vocab_size: int) -> Any:
         return run_hf_config(cfg, vocab_size)
     max_pos = cfg.model.max_position_embeddings or cfg.data.seq_len
     return build_llama_config(cfg.model.preset, vocab_size, max_pos)
+
+
+def _quantize_unit(cfg: RunConfig, cast: Any, name: str, unit: torch.nn.Module) -> None:
+    """A unit of the layer-by-layer build, final: cast to the run's dtype (`cast`), then its INT8
+    target weights quantized (`train.weight_quant: int8`); the embedding and an untied head too
+    with `train.weight_quant_embeddings` (a tied one waits for `place_model`, which keeps the tie)."""
+    if cast is not None:
+        cast(name, unit)
+    edge = name in ("model.embed_tokens", "lm_head")
+    if not edge:
+        quantize_weights_(unit, cfg.optim.targets, cfg.train.weight_quant_group)
+    elif cfg.train.weight_quant_embeddings and not model_shape(cfg.model).tied:
+        from effpretrain.models.quantize import quantize_linear_
+
+        quantize_linear_(unit, cfg.train.weight_quant_group)
+
+
+def weights_dtype(cfg: RunConfig) -> torch.dtype:
+    """The dtype a run's weights train in: bf16 for ``bf16-pure``, else fp32."""
+    return torch.bfloat16 if cfg.train.precision == "bf16-pure" else torch.float32
 
 
 def run_hf_config(cfg: RunConfig, vocab_size: int) -> Any:
@@ -104,8 +134,8 @@ def place_model(
     if cfg.factor.warm_start_steps:
         begin_warm_start_(model)  # before DDP wraps it: DDP reduces what requires grad now
     set_activation_checkpointing(model, checkpointed)
-    if cfg.train.precision == "bf16-pure":
-        model = model.to(torch.bfloat16)
+    if weights_dtype(cfg) != torch.float32:
+        model = model.to(weights_dtype(cfg))  # a factorized model's (a dense one is built so)
     model = model.to(device)
     if cfg.train.weight_quant == "int8":  # after the dtype and the device: INT8 from here on
         quantize_weights_(

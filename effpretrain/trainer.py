@@ -30,6 +30,7 @@ from effpretrain.checkpoint import complete_checkpoints as _complete_checkpoints
 from effpretrain.compile import check_compilable, compile_seconds
 from effpretrain.config import RunConfig, dump_yaml
 from effpretrain.config.checks import stochastic_rounding
+from effpretrain.determinism import deterministic
 from effpretrain.errors import ConfigError
 from effpretrain.evaluation import EvalResult, evaluate_checkpoint
 from effpretrain.in_backward import InBackward
@@ -44,6 +45,7 @@ from effpretrain.run_state import EXACTNESS_KEYS, DataPosition, OptionalPart, Pr
 from effpretrain.signals import StopSignals
 from optimizers import writer
 from optimizers._sharded import local as _local
+from optimizers.precision import model_matmuls
 
 __all__ = [
     "EXACTNESS_KEYS",
@@ -596,6 +598,8 @@ def train(
     are back when this returns or raises.
 
     `allow_oversubscribe` skips the pre-flight memory check (`Trainer._preflight`).
+    `train.deterministic` holds for the whole run and is undone when this returns or raises
+    (`effpretrain.determinism`).
 
     Raises:
         ConfigError: bad config, data, resume target or launch; an estimated peak beyond the
@@ -603,5 +607,7 @@ def train(
         NonFiniteError: too many consecutive non-finite steps.
         effpretrain.signals.RunInterrupted: stopped at once by a signal (no checkpoint written).
     """
-    with StopSignals() as stop:
+    # Deterministic kernels (train.deterministic) before anything touches CUDA; train.tf32 governs
+    # the model's fp32 products for the run; both restored on the way out.
+    with StopSignals() as stop, deterministic(cfg.train.deterministic), model_matmuls(cfg.train.tf32):
         return Trainer(cfg, Path(out_dir), resume, allow_config_change, allow_oversubscribe).fit(stop)

@@ -44,6 +44,7 @@ import torch
 from optimizers._adam import adamw_step_
 from optimizers._owners import DEFAULT_BUCKET_BYTES, OwnerPlaced
 from optimizers._sharded import is_dtensor, local, nonzero_flags
+from optimizers.precision import full_fp32
 
 STEP = "step"
 EXP_AVG = "exp_avg"
@@ -197,12 +198,20 @@ class MatrixOptimizer(OwnerPlaced, torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimisation step over all parameters that have a gradient (placed by
         `OwnerPlaced._placed_step`: under FSDP2 a matrix whose rule is not row-local steps whole)."""
-        return self._placed_step(
-            closure,
-            steps_whole=lambda group, p: self.steps_whole(group),
-            step_one=lambda w, g, state, group, index: self._step_one(w, g, state, group),
-            init_state=lambda ref, group, state, index: self._init_state(ref, group, state),
-        )
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # Orthogonalisation and whitening at IEEE fp32 whatever the process's TF32 setting (issue
+        # 37, G9); after the closure, so the model keeps the run's precision.
+        with full_fp32():
+            self._placed_step(
+                None,
+                steps_whole=lambda group, p: self.steps_whole(group),
+                step_one=lambda w, g, state, group, index: self._step_one(w, g, state, group),
+                init_state=lambda ref, group, state, index: self._init_state(ref, group, state),
+            )
+        return loss
 
     # ------------------------------------------------------------------ FSDP2
 
@@ -236,6 +245,7 @@ class MatrixOptimizer(OwnerPlaced, torch.optim.Optimizer):
             self.state[p][k] = v.to(device=p.device)
 
 
+@full_fp32()
 def newton_schulz_orthogonalise(
     x: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
 ) -> torch.Tensor:

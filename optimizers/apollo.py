@@ -58,7 +58,7 @@ def apollo_torch_next_seed(seed: int) -> int:
 
 
 class ApolloTorchStream(SeededRandomBasis):
-    """apollo-torch's random stream, bit for bit (``random_stream="apollo_torch"``).
+    """apollo-torch's random stream, bit for bit on the CPU (``random_stream="apollo_torch"``).
 
     The parameter at position i (0-based over all groups) starts from seed ``group seed + i + 1``
     (apollo-torch numbers parameters from 1 and seeds each with its number); each refresh after
@@ -111,11 +111,13 @@ class APOLLOAdamW(ProjectedAdam):
     * ``"mix"`` (default): projection k of a parameter is drawn from
       ``projection.mix_seed(seed, k)`` (`projection.random_basis`), with the parameter's seed
       ``mix_seed(group seed, index)``: independent of how many refreshes came before.
-    * ``"apollo_torch"``: apollo-torch's stream, bit for bit: the parameter at position i
+    * ``"apollo_torch"``: apollo-torch's stream (bit for bit on the CPU): the parameter at position i
       (1-based over all groups) starts from seed ``group seed + i`` and each refresh after the
       first advances it with `apollo_torch_next_seed`; the current one is kept in state as
-      ``proj_seed`` (`ApolloTorchStream`). Draws use a generator on the parameter's device, as
-      apollo-torch does.
+      ``proj_seed`` (`ApolloTorchStream`). Every draw comes from a CPU generator, as all of this
+      package's random bases (`projection.gaussian`): bit for bit apollo-torch's on the CPU; on a
+      GPU apollo-torch draws from the device's generator, so there the two runs' projections are
+      different draws of the same distribution, and ours do not change with the hardware.
 
     Param groups use apollo-torch's keys: a group with ``rank`` (r) is projected; ``proj``
     ("random" | "svd", an alias of our ``basis``; default "random"), ``scale_type`` ("channel" |

@@ -114,7 +114,8 @@ class SeededRandomBasis:
     entries, regenerated every step from integers and never stored (0 bytes).
 
     On a due refresh the stream moves to its next basis (`advance`) and k is counted; every step
-    then draws P with `projection.gaussian_basis` from `generator_seed`. This stream ("mix"):
+    then draws P with `projection.gaussian_basis` from `generator_seed` (a CPU generator, so P is
+    the same on any hardware; on a GPU the CPU draw is held until the next refresh). This stream ("mix"):
     the parameter's seed is mix_seed(group seed, index) and basis k is drawn from
     mix_seed(seed, k) (`projection.random_basis`), independent of how many came before. Other
     streams (apollo-torch's seed chain) override `param_seed`, `advance` and `generator_seed`.
@@ -154,8 +155,8 @@ class SeededRandomBasis:
             state[REFRESH] += 1
             stats.count += 1
         seed = self.generator_seed(state)
-        basis = proj.gaussian_basis(tuple(p.shape), int(group["rank"]), side, seed, device=p.device).to(
-            p.dtype
+        basis = proj.gaussian_basis(
+            tuple(p.shape), int(group["rank"]), side, seed, device=p.device, dtype=p.dtype, holder=p
         )
         if due:
             stats.seconds += time.perf_counter() - t0

@@ -10,6 +10,7 @@ import torch
 
 from optimizers import projection as proj
 from optimizers.galore import GaLoreAdamW
+from optimizers.precision import full_fp32
 from optimizers.projected_adam import (
     BASIS,
     COMPUTED_BASIS,
@@ -21,6 +22,7 @@ from optimizers.projected_adam import (
 )
 
 
+@full_fp32()
 def orthonormal_basis(
     shape: tuple[int, ...],
     rank: int,
@@ -28,20 +30,30 @@ def orthonormal_basis(
     generator_seed: int,
     *,
     device: torch.device | str = "cpu",
+    holder: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A basis drawn uniformly (Haar) from the Stiefel manifold, in fp32: P with k = min(r, m, n)
     orthonormal rows (right side, k x n) or columns (left side, m x k).
 
-    Q R = Z is the reduced QR decomposition of a d x k Gaussian Z (d = n or m) drawn from a generator
-    seeded with `generator_seed` on `device`; Q D with D = sign(diag(R)) is uniformly distributed
-    (without the sign fix the distribution depends on the QR routine's sign convention).
+    Q R = Z is the reduced QR decomposition of a d x k Gaussian Z (d = n or m) drawn from a CPU
+    generator seeded with `generator_seed` (`projection.gaussian`: the same Z on any hardware, its
+    CPU draw held for `holder` on a non-CPU device until the seed changes, `projection.held_on_host`)
+    and factored on
+    `device`; Q D with D = sign(diag(R)) is uniformly distributed (without the sign fix the
+    distribution depends on the QR routine's sign convention). The QR runs where P is used, so P
+    agrees across devices up to the QR's rounding, not bitwise.
     """
     if side not in ("left", "right"):
         raise ValueError(f"a random orthonormal basis is defined for side 'left' or 'right', got {side!r}")
     m, n = shape
     k = min(int(rank), m, n)
-    gen = torch.Generator(device=device).manual_seed(generator_seed)
-    z = torch.randn((n if side == "right" else m, k), generator=gen, device=device, dtype=torch.float32)
+    zshape = (n if side == "right" else m, k)
+    z = proj.held_on_host(
+        holder,
+        ("orthonormal_basis", int(generator_seed), zshape),
+        lambda: proj.gaussian(zshape, proj.cpu_generator(generator_seed)),
+        device=device,
+    )
     q, r = torch.linalg.qr(z)
     q = q * torch.where(torch.diagonal(r) < 0, -1.0, 1.0)
     return q.t().contiguous() if side == "right" else q
@@ -97,7 +109,8 @@ class GoLoreBasis:
             state[REFRESH] += 1
             stats.count += 1
         seed = proj.mix_seed(state[SEED], state[REFRESH])
-        basis = orthonormal_basis(tuple(p.shape), int(group["rank"]), side, seed, device=p.device).to(p.dtype)
+        basis = orthonormal_basis(tuple(p.shape), int(group["rank"]), side, seed, device=p.device, holder=p)
+        basis = basis.to(p.dtype)
         if due:
             stats.seconds += time.perf_counter() - t0
         return basis

@@ -168,6 +168,13 @@ class Int8Weight(torch.Tensor):
             w = args[0]
             if _arg(args, kwargs, 3, "storage_offset", 0) in (0, None):
                 return Int8Weight(w.codes, w.scales, w.group, w.dtype)
+        if func is aten._to_copy.default and set(kwargs) <= {"dtype", "device", "non_blocking", "layout"}:
+            # .to(device) moves the codes and scales; .to(dtype) changes the dtype it computes in.
+            w = args[0]
+            device, dtype = kwargs.get("device") or w.device, kwargs.get("dtype") or w.dtype
+            if dtype.is_floating_point:
+                move = {"device": device, "non_blocking": bool(kwargs.get("non_blocking"))}
+                return Int8Weight(w.codes.to(**move), w.scales.to(**move), w.group, dtype)
         if func is aten.view.default and list(args[1]) == [-1]:
             return _Int8Flat(args[0])  # FSDP2's flat handle of a shard: kept, never computed with
         if func is torch.ops.aten.copy_.default and isinstance(args[1], Int8Weight):

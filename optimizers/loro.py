@@ -68,6 +68,7 @@ from torch import Tensor
 
 from optimizers import FACTOR_PAIRS_KEY as PAIRS_KEY
 from optimizers._sharded import is_dtensor, local, shard_group, whole, write_whole_
+from optimizers.precision import full_fp32
 from optimizers.projected_adam import ADAM_CONVENTIONS, _decay, adam_update
 from optimizers.refactorization import balanced_factors
 from optimizers.writer import written
@@ -84,6 +85,7 @@ def _compute_dtype(*tensors: Tensor) -> torch.dtype:
 
 
 @torch.no_grad()
+@full_fp32()
 def riemannian_step(B: Tensor, A: Tensor, dB: Tensor, dA: Tensor, lr: float) -> tuple[Tensor, Tensor]:
     """LORO's exact step: W = B A moved by -lr times the tangent-space projection of G, retracted.
 
@@ -281,16 +283,21 @@ class LOROAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        with full_fp32():  # after the closure: the model's own products keep the run's precision
+            self._step_all()
+        return loss
+
+    def _step_all(self) -> None:
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not grads:
-            return loss
+            return
         if not self.state and _all_zero(grads):
             # A checkpoint loader's state-materialising step: allocate, move nothing, count nothing.
             for g in self.param_groups:
                 for p in g["params"]:
                     if p.grad is not None:
                         self._init_state(p, paired=g[PAIRS_KEY])
-            return loss
+            return
         for group in self.param_groups:
             params = group["params"]
             if not group[PAIRS_KEY]:
@@ -305,4 +312,3 @@ class LOROAdamW(torch.optim.Optimizer):
                     for p in (B, A):
                         if p.grad is not None:
                             self._plain_step(p, group)
-        return loss

@@ -25,16 +25,26 @@ Methods (`method` argument, the optimizers' ``basis`` group key):
   Halko's products, usually through a QR's R factor alone (see `_randomized_left_vectors`);
   the top-r vectors come from the eigenvectors of a small k x k Gram. With `prev` (the
   previous basis) the sketch starts from it (warm start) and only the p extra columns are
-  random. The Gaussian draws come from a ``torch.Generator`` seeded by
-  ``mix_seed(seed, refresh)``, so a basis is reproducible from
-  (G, seed, refresh, prev). Defaults p = 8, q = 1: within 1% of the exact basis's captured
-  energy on power-law spectra at a fraction of the SVD's cost (benchmarks/optimizer_step.py).
+  random. The Gaussian draws come from a CPU ``torch.Generator`` seeded by
+  ``mix_seed(seed, refresh)`` (`gaussian`), so a basis is reproducible from
+  (G, seed, refresh, prev) and its sketch is the same on any hardware. Defaults p = 8, q = 1:
+  within 1% of the exact basis's captured energy on power-law spectra at a fraction of the SVD's
+  cost (benchmarks/optimizer_step.py).
 * ``"random"``: APOLLO's projection (Zhu et al. 2024): i.i.d. N(0, 1/r) entries drawn from a
   generator seeded by ``mix_seed(seed, refresh)``. It is a Johnson-Lindenstrauss map
   (E[P^T P] = I for the right side), NOT orthonormal, and never needs storing: it is regenerated
-  from (seed, refresh) on the gradient's device (CPU and CUDA generators give different streams).
+  from (seed, refresh), drawn by a CPU generator and moved to the gradient's device, so it is the
+  same on every device (`gaussian`; a CUDA generator would give another stream, and another
+  again on another GPU model).
 * ``"identity"``: the first r coordinate axes; with r = min(m, n) projection is the identity, which
   is how the tests check that an optimizer reduces to plain AdamW.
+
+Random draws (`gaussian`): every Gaussian that defines a basis is drawn on the CPU from a CPU
+``torch.Generator`` (`cpu_generator`) and copied to the device, so a run, its resume on other
+hardware and the CPU-vs-CUDA numerics check draw the same values. For a basis redrawn every step
+from the same seed (APOLLO, GoLore after its switch) on a non-CPU device, the CPU draw is held
+(pinned) per parameter until its seed changes (`held_on_host`), so the CPU draws once per refresh
+and the step only copies.
 
 Failure policy (`compute_basis`): if G holds inf/nan, or the decomposition raises or returns a
 non-finite basis, the previous basis `prev` is returned unchanged (None when there is none), the
@@ -47,9 +57,13 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from optimizers.precision import full_fp32
 
 PROJ_TYPES: tuple[str, ...] = ("std", "reverse_std", "right", "left", "full")
 """galore-torch's ``proj_type`` values. std: right if m >= n else left; reverse_std: the opposite;
@@ -123,6 +137,73 @@ def mix_seed(seed: int, counter: int) -> int:
     return x & ((1 << 63) - 1)
 
 
+def cpu_generator(seed: int) -> torch.Generator:
+    """A CPU ``torch.Generator`` seeded with `seed`: the source of every draw that defines a basis.
+
+    CPU and CUDA generators give different streams for one seed (and the CUDA stream of
+    ``randn`` depends on the launch configuration, so on the GPU model), so a draw made on the
+    device would change a method's state with the hardware. Drawing on the CPU and copying
+    (`gaussian`) keeps it a function of the seed alone.
+    """
+    return torch.Generator(device="cpu").manual_seed(int(seed))
+
+
+def gaussian(
+    shape: tuple[int, ...],
+    generator: torch.Generator,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """i.i.d. N(0, 1) entries of `shape`, drawn on the CPU from `generator` and moved to `device`.
+
+    The values depend on the generator's state alone, never on `device`: a run draws the same
+    bases on any hardware (on the CPU the copy is a no-op, so the values are exactly a plain
+    ``torch.randn(shape, generator=generator)``'s).
+
+    Raises:
+        ValueError: `generator` is not a CPU generator.
+    """
+    if generator.device.type != "cpu":
+        raise ValueError(f"bases are drawn from a CPU generator, got one on {generator.device}")
+    # device="cpu" explicitly: under a default-device context (torch.device("cuda")) it would not be.
+    return torch.randn(shape, generator=generator, dtype=dtype, device="cpu").to(device)
+
+
+# CPU draws of the bases redrawn every step (`held_on_host`), kept while their holder (a
+# parameter) lives: (key, pinned CPU tensor) per holder.
+_held_draws: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def held_on_host(
+    holder: torch.Tensor | None,
+    key: tuple,
+    make: Callable[[], torch.Tensor],
+    *,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """``make()`` (a CPU draw) moved to `device`.
+
+    For a non-CPU `device` and a `holder` (the parameter the draw belongs to), the CPU tensor is
+    kept, pinned where CUDA is available, for as long as the holder lives and asks with the same
+    `key` (everything the draw depends on), and each call only copies it: a basis regenerated
+    every step from the same seed (APOLLO; GoLore after its switch) costs one CPU draw per refresh
+    instead of one per step. On the CPU nothing is kept (the draw is the tensor: holding it would
+    be storing the basis). The values are ``make()``'s either way.
+    """
+    device = torch.device(device)
+    if holder is None or device.type == "cpu":
+        return make().to(device)
+    held = _held_draws.get(holder)
+    if held is None or held[0] != key:
+        host = make()
+        if device.type == "cuda" and torch.cuda.is_available():
+            host = host.pin_memory()
+        held = (key, host)
+        _held_draws[holder] = held
+    return held[1].to(device, non_blocking=True)
+
+
 def choose_side(shape: tuple[int, ...], proj_type: str = "std") -> str:
     """Which side galore-torch projects a gradient of `shape` on, for its `proj_type`.
 
@@ -178,6 +259,7 @@ def low_rank_shape(shape: tuple[int, ...], rank: int, side: str, method: str = "
     return {"right": (m, r), "left": (r, n), "full": (r, r)}[side]
 
 
+@full_fp32()
 def project(grad: torch.Tensor, basis: torch.Tensor, side: str) -> torch.Tensor:
     """R = G P^T (right), P^T G (left) or P_L^T G P_R^T (full, packed basis).
 
@@ -194,6 +276,7 @@ def project(grad: torch.Tensor, basis: torch.Tensor, side: str) -> torch.Tensor:
     return (basis[:, :m] @ grad) @ basis[:, m:].t()
 
 
+@full_fp32()
 def project_back(low: torch.Tensor, basis: torch.Tensor, side: str, m: int | None = None) -> torch.Tensor:
     """back(N) = N P (right), P N (left) or P_L N P_R (full): the map from R's space to G's.
 
@@ -212,6 +295,7 @@ def project_back(low: torch.Tensor, basis: torch.Tensor, side: str, m: int | Non
     return (basis[:, :m].t() @ low) @ basis[:, m:]
 
 
+@full_fp32()
 def svd_basis(g32: torch.Tensor, rank: int, side: str) -> torch.Tensor:
     """Exact top-r singular vectors of fp32 G via a thin SVD (what galore-torch computes).
 
@@ -302,7 +386,7 @@ def _randomized_left_vectors(
         blocks.append(init)
     extra = k - (init.shape[1] if init is not None else 0)
     if extra > 0:
-        omega = torch.randn(cols, extra, generator=generator, device=a.device, dtype=a.dtype)
+        omega = gaussian((cols, extra), generator, device=a.device, dtype=a.dtype)
         blocks.append(a @ omega)
     y = torch.cat(blocks, dim=1) if len(blocks) > 1 else blocks[0]
     if int(power_iters) <= 0:
@@ -324,6 +408,7 @@ def _randomized_left_vectors(
     return _top_left(a @ torch.linalg.householder_product(reflectors, tau), r)
 
 
+@full_fp32()
 def randomized_svd_basis(
     g32: torch.Tensor,
     rank: int,
@@ -342,7 +427,8 @@ def randomized_svd_basis(
         side: "right" (returns V_r^T, r x n), "left" (U_r, m x r) or "full" (packed).
         oversample: p, extra sketch columns; k = r + p.
         power_iters: q, subspace-iteration rounds (each costs two products with G and two LUs).
-        generator: source of the Gaussian sketch (a fresh default-seeded one when None).
+        generator: source of the Gaussian sketch, a CPU generator (`cpu_generator`; seeded 0 when
+            None): the sketch is drawn on the CPU and copied to G's device (`gaussian`).
         prev: previous basis in the same layout (any dtype) for a warm start, or None.
 
     Cost: 2q + 1 products of G with a k-column block (2 m n k flops each; a warm start replaces
@@ -350,7 +436,7 @@ def randomized_svd_basis(
     for a k x k eigh: against O(m n min(m, n)) with a large constant for the exact SVD.
     """
     if generator is None:
-        generator = torch.Generator(device=g32.device).manual_seed(0)
+        generator = cpu_generator(0)
     m, n = g32.shape
     r = effective_rank((m, n), rank)
     p32 = None if prev is None else prev.to(device=g32.device, dtype=torch.float32)
@@ -377,28 +463,37 @@ def gaussian_basis(
     *,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    holder: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A Gaussian projection with N(0, 1/r) entries drawn from a generator seeded with `generator_seed`.
+    """A Gaussian projection with N(0, 1/r) entries drawn from a CPU generator seeded with
+    `generator_seed`, in `dtype` on `device`.
 
     The one drawing code path of every seeded random basis: `random_basis` (the (seed, refresh)
     stream) and the optimizers' random-basis policies (which may chain their own seeds, as
-    apollo-torch's stream does) all end here.
+    apollo-torch's stream does) all end here. The fp32 N(0, 1) draw (`gaussian`), its division by
+    sqrt(r) and the cast to `dtype` all run on the CPU, and the result is copied: the same values
+    on every device.
 
     Args:
         shape: (m, n) of the gradient.
         rank: r (not clamped: a JL map may have any width).
         side: "right" (r x n) or "left" (m x r); "full" is not defined for random maps.
-        generator_seed: seed of the ``torch.Generator`` on `device`.
-        device: where to draw (the stream depends on the device type).
-        dtype: dtype of the draw (fp32 by default, then cast by the caller).
+        generator_seed: seed of the CPU generator (`cpu_generator`).
+        device: where the basis is returned (the values do not depend on it).
+        dtype: the basis's dtype (the parameter's).
+        holder: the parameter whose basis this is: on a non-CPU device the CPU result is kept
+            until the seed changes (`held_on_host`), so a basis redrawn every step is drawn once.
     """
     if side == "full":
         raise ValueError(
             "random projection supports side 'left' or 'right' only (proj_type 'full' is not defined)"
         )
-    gen = torch.Generator(device=device).manual_seed(int(generator_seed))
     bshape = basis_shape(shape, rank, side, "random")
-    return torch.randn(bshape, generator=gen, device=device, dtype=dtype) / math.sqrt(rank)
+
+    def make() -> torch.Tensor:
+        return (gaussian(bshape, cpu_generator(generator_seed)) / math.sqrt(rank)).to(dtype)
+
+    return held_on_host(holder, ("gaussian_basis", int(generator_seed), bshape, dtype), make, device=device)
 
 
 def random_basis(
@@ -409,9 +504,8 @@ def random_basis(
     seed: int,
     refresh: int,
     device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """APOLLO's Gaussian projection, entries N(0, 1/r), regenerated from (seed, refresh).
+    """APOLLO's Gaussian projection, entries N(0, 1/r) (fp32), regenerated from (seed, refresh).
 
     Basis k of a parameter with seed s is `gaussian_basis` drawn from ``mix_seed(s, k)``: independent
     of how many bases came before, reproducible from two integers.
@@ -422,10 +516,9 @@ def random_basis(
         side: "right" (r x n) or "left" (m x r); "full" is not defined for random maps.
         seed: the parameter's seed.
         refresh: k, the refresh count.
-        device: where to draw (the stream depends on the device type).
-        dtype: dtype of the draw (fp32 by default, then cast by the caller).
+        device: where the basis is returned (drawn on the CPU: the values do not depend on it).
     """
-    return gaussian_basis(shape, rank, side, mix_seed(seed, refresh), device=device, dtype=dtype)
+    return gaussian_basis(shape, rank, side, mix_seed(seed, refresh), device=device)
 
 
 def identity_basis(
@@ -472,7 +565,7 @@ def _decompose(
     randomized one drawn from ``mix_seed(seed, refresh)`` (started from `sketch` when given)."""
     if method == "svd":
         return svd_basis(g32, rank, side)
-    gen = torch.Generator(device=g32.device).manual_seed(mix_seed(seed, refresh))
+    gen = cpu_generator(mix_seed(seed, refresh))
     return randomized_svd_basis(
         g32, rank, side, oversample=oversample, power_iters=power_iters, generator=gen, prev=sketch
     )
@@ -485,6 +578,7 @@ def _check_basis_args(grad: torch.Tensor, method: str) -> None:
         raise ValueError(f"projection needs a 2-D gradient, got shape {tuple(grad.shape)}")
 
 
+@full_fp32()
 def compute_basis(
     grad: torch.Tensor,
     rank: int,
@@ -556,9 +650,12 @@ __all__ = [
     "basis_shape",
     "choose_side",
     "compute_basis",
+    "cpu_generator",
     "effective_rank",
     "failed_refreshes",
+    "gaussian",
     "gaussian_basis",
+    "held_on_host",
     "identity_basis",
     "low_rank_shape",
     "mix_seed",

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from optimizers._sharded import whole, write_whole_
+from optimizers.precision import full_fp32
 
 __all__ = ["balanced_factors", "refactorize_"]
 
@@ -71,6 +72,7 @@ def _split_roots(S: Tensor, tol: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(alive, root, torch.zeros_like(root)), torch.where(alive, root, rms.expand_as(root))
 
 
+@full_fp32()
 def balanced_factors(B: Tensor, A: Tensor, rank: int | None = None) -> tuple[Tensor, Tensor]:
     """Returns the balanced split (U S^1/2, S^1/2 V^T) of B A without forming B A.
 
@@ -131,6 +133,7 @@ def balanced_factors(B: Tensor, A: Tensor, rank: int | None = None) -> tuple[Ten
 
 
 @torch.no_grad()
+@full_fp32()
 def refactorize_(pairs: Iterable[tuple[Tensor, Tensor]]) -> None:
     """Re-splits each (B, A) pair in place into its balanced form B = U S^1/2, A = S^1/2 V^T.
 

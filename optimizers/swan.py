@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 import torch
 
 from optimizers._matrix import MatrixOptimizer
+from optimizers.precision import full_fp32
 from optimizers.writer import written
 
 
@@ -20,6 +21,7 @@ def grad_norm(g: torch.Tensor, eps: float) -> torch.Tensor:
     return centred / std
 
 
+@full_fp32()
 def inverse_sqrt_newton_schulz(a: torch.Tensor, steps: int) -> torch.Tensor:
     """A^{-1/2} of a symmetric positive definite k x k matrix by the coupled Newton-Schulz
     iteration: with c = ||A||_F (so the spectrum of A / c lies in (0, 1]), Y_0 = A / c, Z_0 = I,
@@ -37,6 +39,7 @@ def inverse_sqrt_newton_schulz(a: torch.Tensor, steps: int) -> torch.Tensor:
     return z / c.sqrt()
 
 
+@full_fp32()
 def grad_whitening(x: torch.Tensor, steps: int) -> torch.Tensor:
     """GradWhitening: (X X^T)^{-1/2} X for a wide (m <= n) X, X (X^T X)^{-1/2} for a tall one
     (the Gram matrix of the short side, which is invertible for a full-rank X; both are the polar

@@ -1,5 +1,6 @@
 """Shared by the tests: the repository's paths, the tiny-run overrides, and the environment of a
-child process (the checkout under test first on the import path, one OpenMP thread)."""
+child process (the checkout under test first on the import path, one OpenMP thread, no GPU visible
+outside `make test-gpu`)."""
 
 from __future__ import annotations
 
@@ -21,11 +22,27 @@ TINY_OVERRIDES = [
 ]
 
 
+#: `make test-gpu` sets this: the session runs tests/gpu/ with the GPUs visible. Any other session
+#: hides every GPU, so the suite runs on the CPU and means the same on any machine (on a GPU box,
+#: two ranks would otherwise share cuda:0 and the CPU-calibrated exactness tests would run on CUDA).
+GPU_SESSION = os.environ.get("EFFPRETRAIN_TEST_GPU") == "1"
+
+
+def hide_gpus(env: dict[str, str] | os._Environ) -> None:
+    """Sets ``CUDA_VISIBLE_DEVICES=""`` in `env` (CUDA then finds no device; torch's
+    ``cuda.is_available()`` is False), except in a `GPU_SESSION`. tests/conftest.py applies it to
+    the test process at start-up, before anything can initialise CUDA; `child_env` to every child."""
+    if not GPU_SESSION:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+
+
 def child_env(threads: int | None = 1, **extra: str) -> dict[str, str]:
     """This process's environment for a child process: the repository first on PYTHONPATH (so the
     child imports the checkout under test), ``OMP_NUM_THREADS=threads`` (None: as inherited; one
-    thread each keeps concurrent processes from fighting over the cores), then `extra`."""
+    thread each keeps concurrent processes from fighting over the cores), no GPU visible
+    (`hide_gpus`), then `extra`."""
     env = dict(os.environ)
+    hide_gpus(env)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)

@@ -215,4 +215,5 @@ def test_a_checkpoint_that_records_eval_batches_still_evaluates(checkpoint, tmp_
     torch.save(state, old / "trainer.pt")
     result = evaluate_checkpoint(old, ["train.eval_tokens=64"])
     assert (result["step"], result["val_tokens"], result["world_size"]) == (2, 93, 1)
+    # Bitwise: the same weights and rows through the same evaluation code.
     assert result["val_loss"] == evaluate_checkpoint(checkpoint, ["train.eval_tokens=64"])["val_loss"]

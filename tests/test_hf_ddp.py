@@ -150,7 +150,8 @@ def test_two_processes_equal_one_with_the_same_micro_batches(runs, case):
     diff = rel_diff(a, b)
     print(f"{case}: 2 processes vs 1, relative weight difference {diff:.3e}")
     assert diff < 1e-5
-    assert all(torch.equal(a[k], v) for k, v in _weights(out, "two-1", case).items())  # replicas equal
+    # Replicas bitwise: every rank applies the same step to the same all-reduced gradients.
+    assert all(torch.equal(a[k], v) for k, v in _weights(out, "two-1", case).items())
     assert ranks[0]["grad_norm"] == ranks[1]["grad_norm"]  # the same number on every rank
     one_norms = one["grad_norm"]
     assert sorted(one_norms) == [str(s) for s in range(1, STEPS + 1)]

@@ -202,7 +202,10 @@ def test_low_rank_accumulation_does_not_change_fsdp2_weights(method, runs):
 
 def test_ddp_in_backward_is_bitwise_ddp_without_clipping(runs):
     """Each rank sums its micro-batches' gradients in autograd's order, then G/N is summed over
-    the ranks: the order DDP's reducer uses, so adamw ends with the same bits as DDP itself."""
+    the ranks: the order DDP's reducer uses, so adamw ends with the same bits as DDP itself.
+    Bitwise although DDP reduces buckets and this mode one gradient at a time: with two ranks
+    each entry's all-reduce is one commutative addition and x 1/2 is exact, whatever the grouping;
+    the logged norms are the same fp64 sum in model order."""
     a, b = final(runs / "adamw-noclip-ddp"), final(runs / "adamw-noclip-ddp-normal")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert _norms(runs / "adamw-noclip-ddp") == _norms(runs / "adamw-noclip-ddp-normal")
@@ -210,7 +213,8 @@ def test_ddp_in_backward_is_bitwise_ddp_without_clipping(runs):
 
 def test_ddp_in_backward_across_a_warm_start_switch(runs):
     """ReLoRA's warm start under DDP in this mode (no DDP wrapper to re-wrap at the switch): the
-    ranks stay bitwise identical through the switch and two merges, and equal one process."""
+    ranks stay bitwise identical through the switch and two merges (each applies the same step to
+    the same all-reduced gradients), and equal one process (to a tolerance: another summation)."""
     r0, r1 = (torch.load(runs / "relora-warm-ddp" / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     assert r0.keys() == r1.keys() and all(torch.equal(r0[k], r1[k]) for k in r0)
     one = json.loads((runs / "relora-warm-1p" / "summary.json").read_text())

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from _common import ROOT, child_env
 from distributed_helpers import COMMON, final, free_port, rel_diff, torchrun
 
@@ -103,3 +104,32 @@ def test_accelerate_fsdp_config_must_agree_with_the_recipe(env, sharding, needle
         check_launch(2, load_config(None, [f"dist.sharding={sharding}"]))
     monkeypatch.setenv("FSDP_VERSION", "2")
     check_launch(2, load_config(None, ["dist.sharding=fsdp2"]))  # agreeing: accepted
+
+
+@pytest.mark.parametrize(
+    "config", sorted(p.name for p in (ROOT / "recipes" / "accelerate").glob("*_cpu.yaml"))
+)
+def test_cpu_launch_configs_hide_every_gpu(config, monkeypatch):
+    """What `accelerate launch --config_file <config>` gives its processes on a GPU machine
+    (Accelerate's own argument checks and environment, with its device backend reported as CUDA
+    as a CUDA build of torch reports it): a CUDA_VISIBLE_DEVICES under which torch finds no GPU
+    and the trainer knows the GPUs are hidden on purpose (no driver warning)."""
+    import accelerate.utils.launch as acc_launch
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    from effpretrain.devices import gpus_hidden
+
+    monkeypatch.setattr(
+        acc_launch, "get_torch_accelerator_backend", lambda check_available=True: ("cuda", None)
+    )
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # a user's shell, not this suite's
+    path = ROOT / "recipes" / "accelerate" / config
+    args = launch_command_parser().parse_args(
+        ["--config_file", str(path), "--main_process_port", "0", "x.py"]
+    )
+    args, _, _ = _validate_launch_command(args)
+    env = acc_launch.prepare_multi_gpu_env(args)
+    assert "CUDA_VISIBLE_DEVICES" in env, config
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", env["CUDA_VISIBLE_DEVICES"])
+    assert torch.cuda._parse_visible_devices() == []
+    assert gpus_hidden(env)

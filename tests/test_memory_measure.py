@@ -302,6 +302,8 @@ def test_allow_oversubscribe_skips_the_preflight(tmp_path, monkeypatch):
 
 @pytest.mark.run
 def test_measuring_a_step_leaves_training_bitwise_unchanged(tmp_path):
+    """Bitwise: the measurement only observes (tensor accounting), so both runs execute the same
+    kernels in the same order."""
     from safetensors.torch import load_file
 
     over = _tiny_overrides() + ["train.max_steps=3", "train.eval_every=0", "train.eval_tokens=256"]
@@ -498,3 +500,101 @@ def test_a_storage_resized_to_zero_is_released_and_resized_back_is_allocated():
         for module, name, old in wrapped:
             setattr(module, name, old)
     reg.close()
+
+
+# -- CUDA bookkeeping, checked on the CPU with the allocator's and the device's facts injected ------
+
+
+@pytest.mark.parametrize("spelling", ["cuda", "cuda:0", torch.device("cuda", 0), torch.device("cuda")])
+def test_every_spelling_of_a_cuda_device_is_one_floor_key(spelling):
+    """A measured step saves its peak floor under its parameters' device (``cuda:0``), the trainer
+    reads it under Accelerate's (``cuda``): both spellings, and torch.device("cuda", 0), are one
+    key; a bare ``cuda`` means the current device (0 without CUDA, injectable here)."""
+    from effpretrain.memory.measure import device_key
+
+    assert device_key(spelling) == "cuda:0"
+    assert device_key(spelling, current_index=lambda: 0) == "cuda:0"
+    bare = torch.device(spelling).index is None
+    assert device_key(spelling, current_index=lambda: 3) == ("cuda:3" if bare else "cuda:0")
+    assert device_key("cuda:1") == "cuda:1" and device_key(torch.device("cpu")) == "cpu"
+
+
+class _FakeAllocator:
+    """torch.cuda's peak statistics for one device, on the CPU: what a CUDA run's allocator would
+    report (its peak since the last reset)."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+
+    def max_memory_allocated(self, device=None) -> int:
+        return self.peak
+
+    def reset_peak_memory_stats(self, device=None) -> None:
+        self.peak = 0
+
+
+@pytest.mark.parametrize("read_as", ["cuda", "cuda:0", torch.device("cuda", 0)])
+@pytest.mark.parametrize("saved_as", ["cuda:0", "cuda"])
+def test_the_peak_floor_saved_across_a_reset_is_read_under_any_spelling(saved_as, read_as, monkeypatch):
+    """A 5 GB spike before a measured step's per-phase resets (step 1, a refresh) is gone from
+    ``max_memory_allocated`` afterwards; the floor the step saved under its device (the
+    parameters' cuda:0, or a bare cuda) puts it back in `process_peak_bytes` read under another
+    spelling (Accelerate's cuda on one GPU)."""
+    from effpretrain.memory import measure
+
+    fake = _FakeAllocator()
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", fake.max_memory_allocated)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", fake.reset_peak_memory_stats)
+    monkeypatch.setattr(measure, "_CUDA_PEAK_FLOOR", {})
+    fake.peak = 5 * 10**9
+    phases = measure._CudaPhases(torch.device(saved_as), lambda: dict.fromkeys(CATEGORIES, 0))
+    fake.peak = 10**6  # the measured phase's own peak, after the reset
+    phases.boundary("forward")
+    assert fake.peak == 0  # reset again at the boundary
+    assert measure.process_peak_bytes(torch.device(read_as)) == 5 * 10**9
+
+
+def test_gpu_preflight_limit_is_free_memory_less_the_stated_reserve():
+    """The limit on a GPU is what is free now (after the CUDA context and other processes), less
+    the reserve for cuBLAS/cuDNN workspaces and lazily loaded kernels, NCCL's buffers with several
+    processes, and 5% for fragmentation, not the device's total memory."""
+    from effpretrain.memory import preflight
+
+    GB = 10**9
+    limit, what = preflight.cuda_memory_limit(free=40 * GB, total=80 * GB, processes=1)
+    assert limit == int(40 * GB - preflight.CUDA_RESERVE_BYTES - 0.05 * 40 * GB)
+    assert "free GPU memory 40.00 of 80.00 GB" in what and "fragmentation" in what
+    two, what2 = preflight.cuda_memory_limit(free=40 * GB, total=80 * GB, processes=2)
+    assert two == limit - preflight.NCCL_RESERVE_BYTES and "NCCL" in what2
+    assert preflight.cuda_memory_limit(free=10**8, total=80 * GB)[0] == 0  # never negative
+
+
+@pytest.mark.parametrize(("world", "reserve"), [("1", 0), ("2", 1)])
+def test_gpu_preflight_refusal_boundary_moves_with_free_memory(world, reserve, monkeypatch):
+    """The device facts injected (torch.cuda.mem_get_info: 30 GB free of 80 GB, another process
+    holding the rest): an estimate just under the limit runs, one byte over is refused, and a
+    50 GB estimate, under the 80 GB total that the check used to compare with, is refused."""
+    from types import SimpleNamespace
+
+    from effpretrain.errors import ConfigError
+    from effpretrain.memory import preflight
+
+    GB = 10**9
+    seen = []
+    monkeypatch.setattr(
+        torch.cuda, "mem_get_info", lambda device=None: seen.append(device) or (30 * GB, 80 * GB)
+    )
+    monkeypatch.setenv("WORLD_SIZE", world)
+    limit = int(
+        30 * GB - preflight.CUDA_RESERVE_BYTES - reserve * preflight.NCCL_RESERVE_BYTES - 0.05 * 30 * GB
+    )
+    dev = torch.device("cuda", 0)
+
+    def est(peak: int):
+        return SimpleNamespace(peak=peak, total=peak, detail={"peak_terms": {"activations": peak}})
+
+    preflight.check_fits(est(limit), dev)
+    assert seen == [dev]  # the run's own device
+    for peak in (limit + 1, 50 * GB):
+        with pytest.raises(ConfigError, match=r"exceeds free GPU memory 30\.00 of 80\.00 GB less"):
+            preflight.check_fits(est(peak), dev)

@@ -41,6 +41,9 @@ def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
 
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Bitwise equal weights: used only between a run resumed after a fault and the straight run,
+    which execute the same kernels in the same order with the same thread count (a child process
+    inherits OMP_NUM_THREADS, `subprocess_env`)."""
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 

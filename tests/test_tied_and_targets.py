@@ -46,7 +46,9 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int = 1) -> 
 def test_tied_step_equals_torch_adamw_bitwise():
     """One create_optimizer(model, "adamw") step on a tied model equals torch.optim.AdamW over
     model.parameters() bitwise: the tied matrix moves once (it moved twice when it was grouped once
-    as the embedding and once as the head)."""
+    as the embedding and once as the head). Bitwise because the same kernels run: the factory's
+    AdamW is torch's foreach path, which on CPU loops over the per-tensor kernels of the reference's
+    single-tensor path, in the same order of operations."""
     ours, ref = _tied_llama(), _tied_llama()
     opt, _ = create_optimizer(ours, "adamw", lr=1e-3, num_training_steps=10, weight_decay=0.0)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=opt.param_groups[0]["lr"], weight_decay=0.0)

@@ -341,7 +341,8 @@ def test_txt_reader_streams_the_same_documents(tmp_path):
 
 
 def test_train_on_tokens_resumes_exactly(prepared, tmp_path, tiny_overrides):
-    """A run on data.source=tokens: 6 steps straight vs 3 + resume to 6, bitwise-equal weights."""
+    """A run on data.source=tokens: 6 steps straight vs 3 + resume to 6, bitwise-equal weights.
+    Bitwise: the resumed run executes the same kernels in the same order as the straight one."""
     from safetensors.torch import load_file
 
     from effpretrain.trainer import train

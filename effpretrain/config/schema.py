@@ -222,6 +222,16 @@ class TrainConfig:
     """Steps between `metrics.jsonl` records."""
     seed: Seed = 0
     """Seed of the model initialisation and the run's random state."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """Where the run trains: `auto` (CUDA where it starts, else the CPU, with a one-line warning
+    when an NVIDIA driver is loaded but CUDA does not start), `cuda` (an error, exit 2, where CUDA
+    does not start) or `cpu`. The device is printed at start (`effpretrain.devices`)."""
+    deterministic: bool = False
+    """Deterministic kernels for the run (`effpretrain.determinism`): `torch.use_deterministic_algorithms`,
+    `CUBLAS_WORKSPACE_CONFIG=:4096:8` (set before CUDA starts), cuDNN's deterministic algorithms
+    without autotuning; restored when the run ends. Needed on CUDA for the bitwise claims (exact
+    resume, DDP = one process, compiled split = straight), which hold on CPU without it. Costs
+    speed on CUDA, and an op without a deterministic kernel raises (docs/gpu.md)."""
     precision: Precision = "fp32"
     """`fp32`; `bf16-mixed` (fp32 weights and states, bf16 autocast); `bf16-pure` (bf16 weights,
     gradients and states: the paper's)."""
@@ -242,6 +252,13 @@ class TrainConfig:
     weights with `bf16-pure`): `true`, unbiased stochastic rounding with counter-based noise (keyed
     by seed, parameter, step and element: the same in every launch mode and on every device);
     `false`, to nearest (once per step); `auto`: on for `weight_quant: int8`, off otherwise."""
+    tf32: bool = False
+    """Let the model's float32 matrix products (and cuDNN's) run in TF32 on a GPU that has it (set
+    for the run, restored after; `false` runs them at full fp32 even where the process enabled
+    TF32). Only fp32 products change: it matters for `train.precision` fp32 (and bf16-mixed's fp32
+    parts). The optimizers' projection, orthogonalisation, whitening and refactorization math
+    runs at full fp32 either way (`optimizers.precision.full_fp32`). MFU then divides by the TF32
+    peak (summary.json `peak_flops_dtype`)."""
     activation_checkpointing: Annotated[int | str, CHECKPOINTING, BOOL_AS_INT] = 0
     """0 (or false): off; k: checkpoint every k-th decoder layer (1 or true: all); `auto`: the
     fewest layers whose checkpointing brings the estimated peak within `train.memory_budget_gb`
@@ -253,9 +270,11 @@ class TrainConfig:
     checkpoints are interchangeable with eager runs'. Compile time is reported apart
     (summary.json `compile_s`)."""
     peak_tflops: PositiveFloat | None = None
-    """The device's peak dense bf16 TFLOP/s for the MFU figure (summary.json `mfu`); `null`: looked
-    up by the CUDA device's name (`effpretrain.flops.DEVICE_PEAKS`), none on CPU or an unknown
-    device (MFU is then null)."""
+    """The device's peak dense TFLOP/s for the MFU figure (summary.json `mfu`), at the dtype the
+    model's products run in (summary.json `peak_flops_dtype`: `bf16` for a bf16 run, `tf32` for
+    fp32 with `train.tf32`, `fp32` for fp32 without); `null`: looked up by the CUDA device's name
+    and that dtype (`effpretrain.flops.DEVICE_PEAKS`), none on CPU, an unknown device or a MIG
+    slice (MFU is then null)."""
     memory_budget_gb: PositiveFloat | None = None
     """Per-rank memory budget (GB = 1e9 bytes) that `activation_checkpointing: auto` fits the
     estimated peak into."""

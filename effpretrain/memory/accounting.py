@@ -73,7 +73,9 @@ def storage_of(t: Any) -> torch.UntypedStorage | None:
         st = t.untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):
         return None
-    return st if st.nbytes() else None
+    # A fake tensor (FakeTensorMode, as `effpretrain.models.materialize` records a build on)
+    # reports a real device but its storage is on the meta device: it holds no bytes.
+    return st if st.nbytes() and st.device.type != "meta" else None
 
 
 class StorageLog:

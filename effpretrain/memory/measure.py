@@ -88,6 +88,7 @@ from optimizers._sharded import local as _local
 __all__ = [
     "CATEGORIES",
     "MEASURED_KEYS",
+    "device_key",
     "measure_run",
     "measure_step",
     "process_peak_bytes",
@@ -104,21 +105,40 @@ def _inner_optimizer(optimizer: Any) -> Any:
     return getattr(optimizer, "optimizer", optimizer)
 
 
-#: Per CUDA device, the allocator's largest peak that a measured step's resets took away from
-#: ``max_memory_allocated`` (`process_peak_bytes` puts it back).
+#: Per CUDA device (`device_key`), the allocator's largest peak that a measured step's resets took
+#: away from ``max_memory_allocated`` (`process_peak_bytes` puts it back).
 _CUDA_PEAK_FLOOR: dict[str, int] = {}
 
 
+def _current_cuda_index() -> int:
+    """The index a bare ``cuda`` means: the current CUDA device, 0 where CUDA is absent (as the
+    allocator's functions resolve ``cuda`` without an index)."""
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
+
+
+def device_key(device: torch.device | str, current_index: Callable[[], int] = _current_cuda_index) -> str:
+    """One name per physical device, however it is spelled: ``cuda``, ``cuda:0``,
+    ``torch.device("cuda", 0)`` and, with device 0 current, ``torch.device("cuda")`` all give
+    ``cuda:0``. A measured step saves its floor under its parameters' device (``cuda:0``) and the
+    trainer reads it under Accelerate's (``cuda`` on one GPU), so both go through this.
+    `current_index` is what a CUDA device without an index means (injectable for tests)."""
+    d = torch.device(device)
+    if d.type != "cuda":
+        return str(d)
+    return f"cuda:{current_index() if d.index is None else d.index}"
+
+
 def _raise_floor(device: torch.device) -> None:
-    key = str(device)
+    key = device_key(device)
     _CUDA_PEAK_FLOOR[key] = max(_CUDA_PEAK_FLOOR.get(key, 0), int(torch.cuda.max_memory_allocated(device)))
 
 
 def process_peak_bytes(device: torch.device) -> int:
     """`effpretrain.memory.peak_memory_bytes` (CUDA max allocated, or the process's peak RSS),
-    including the CUDA peaks from before a measured step's per-phase resets."""
+    including the CUDA peaks from before a measured step's per-phase resets (saved under
+    `device_key`, so any spelling of the device finds them)."""
 
-    return max(peak_memory_bytes(device), _CUDA_PEAK_FLOOR.get(str(device), 0))
+    return max(peak_memory_bytes(device), _CUDA_PEAK_FLOOR.get(device_key(device), 0))
 
 
 class _CudaPhases:

@@ -14,6 +14,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from effpretrain.errors import ConfigError
+from effpretrain.models.materialize import AfterLayer, build_layerwise
 
 #: The architectures with the LLaMA layer layout (q/k/v/o, gate/up/down, RMSNorm), by their HF
 #: class name, with their config's ``model_type``.
@@ -150,6 +151,8 @@ PRESETS: dict[str, ModelShape] = {
     "llama_1b": ModelShape(hidden=2048, intermediate=5461, heads=32, layers=24),
     # LLaMA-2-7B (GaLore's 7B; Touvron et al. 2023, Table 1 and its config.json).
     "llama_7b": ModelShape(hidden=4096, intermediate=11008, heads=32, layers=32),
+    # LLaMA-2-13B (its config.json; LLaMA-1's 13B has the same shape: Touvron et al. 2023, Table 2).
+    "llama_13b": ModelShape(hidden=5120, intermediate=13824, heads=40, layers=40),
     # Llama-3-8B (Meta's config.json): grouped-query attention, a 128,256 vocabulary.
     "llama3_8b": ModelShape(
         hidden=4096, intermediate=14336, heads=32, layers=32, vocab=128256, kv_heads=8, rope_theta=500000.0
@@ -289,20 +292,39 @@ def model_class(config: Any) -> type:
 
 
 def build_model(
-    preset: str | ModelShape | Any, vocab_size: int | None = None, max_positions: int = 1024, seed: int = 0
+    preset: str | ModelShape | Any,
+    vocab_size: int | None = None,
+    max_positions: int = 1024,
+    seed: int = 0,
+    *,
+    after_layer: AfterLayer | None = None,
+    layerwise: bool = True,
 ):
     """Builds a freshly initialised model (fp32) deterministically from `seed`: a preset or shape
     (its config at `vocab_size` and `max_positions`), or a transformers config of a supported
-    architecture as it is."""
+    architecture as it is.
+
+    The values are those of ``cls(config)`` after ``torch.manual_seed(seed)``. By default the model
+    is created on the meta device and materialized one unit (decoder layer, embedding, norm, head)
+    at a time with those values bit for bit (`effpretrain.models.materialize`), running
+    `after_layer` on each unit once it is final; `layerwise` False builds it whole, as transformers
+    does (the reference the layer-by-layer build is tested against). Under a ``torch.device("meta")``
+    context it builds on the meta device, allocating nothing.
+    """
     if isinstance(preset, (str, ModelShape)):
         cfg = build_llama_config(preset, vocab_size, max_positions)
     else:
         cfg = preset
     cls = model_class(cfg)
+    if torch.empty(0).device.type == "meta":
+        return cls(cfg)
+    if layerwise:
+        return build_layerwise(cls, cfg, seed, after_layer)
+    if after_layer is not None:
+        raise ValueError("build_model: after_layer needs layerwise=True")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = cls(cfg)
-    return model
+        return cls(cfg)
 
 
 def set_activation_checkpointing(model: torch.nn.Module, every: int | Collection[int]) -> int:

@@ -1,6 +1,7 @@
 """benchmarks/gpu_check.py: its smoke runs every section's code on the CPU in under 90 s and exits
-0; a section whose package is missing is reported skipped while the rest runs; the budget stops it
-cleanly; the docs' "On a GPU" tables are the committed JSON rendered."""
+0; a package a section needs is checked before it starts, and a missing one is reported "missing"
+(not skipped) with exit code 3 while the rest runs; a case leaves nothing alive; the budget stops
+it cleanly; the docs' "On a GPU" tables are the committed JSON rendered."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import subprocess
 import sys
 import time
+import weakref
 
 import pytest
 from _common import child_env
@@ -40,7 +42,8 @@ def test_smoke_runs_every_section_on_cpu(tmp_path):
         assert rows and all(r["status"] == "ok" for r in rows), rows
         assert (tmp_path / f"{section}.md").read_text().startswith(f"### {section}")
     rows = {s: json.loads((tmp_path / f"{s}.json").read_text())["rows"] for s in gc.SECTIONS}
-    # Every registry row is checked, and the CPU against itself is exact.
+    # Every registry row is checked, and the CPU against itself is exact (the same five steps run
+    # twice in one process: the same kernels in the same order).
     assert len(rows["numerics"]) == len(gc.numerics_recipes())
     assert all(r["worst_weight_rel_diff"] == 0 for r in rows["numerics"])
     assert {r["case"] for r in rows["memory"]} == {
@@ -58,14 +61,99 @@ def test_smoke_runs_every_section_on_cpu(tmp_path):
     assert (tmp_path / "summary.md").is_file()
 
 
-def test_a_missing_package_skips_its_section_and_the_rest_runs(tmp_path, monkeypatch, capsys):
+def test_a_missing_package_is_missing_not_skipped_named_first_and_last_and_exits_3(
+    tmp_path, monkeypatch, capsys
+):
+    """issue 37, G10: a run without the carried wheels must not look complete."""
     monkeypatch.setitem(sys.modules, "galore_torch", None)  # import galore_torch now fails
-    monkeypatch.setattr(gc, "section_numerics", lambda scale, budget: [{"case": "stub", "status": "ok"}])
+    started = []
+
+    def numerics(scale, budget):
+        started.append(capsys.readouterr().err)  # what was printed before the first case
+        return [{"case": "stub", "status": "ok"}]
+
+    monkeypatch.setattr(gc, "section_numerics", numerics)
     code = gc.main(["--smoke", "--out", str(tmp_path), "--sections", "numerics,hf"])
-    assert code == 0
+    assert code == 3
     (hf,) = json.loads((tmp_path / "hf.json").read_text())["rows"]
-    assert hf["status"] == "skipped" and "galore_torch" in hf["note"]
+    assert hf["status"] == "missing" and "galore_torch" in hf["note"]
     assert json.loads((tmp_path / "numerics.json").read_text())["rows"][0]["status"] == "ok"
+    line = "gpu_check: MISSING PACKAGES: galore_torch (hf)"
+    assert line in started[0]  # checked before the first case ran
+    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith(line)  # and the run's last line
+
+
+def test_a_case_whose_package_is_missing_is_missing_and_a_broken_import_is_a_failure():
+    from _bench import Budget, run_cases
+
+    def no_bnb():
+        try:
+            import bitsandbytes_not_installed  # noqa: F401
+        except ImportError as err:  # as the 8-bit optimizers re-raise it, with a hint
+            raise ImportError("adamw_8bit needs bitsandbytes: pip install bitsandbytes") from err
+        return {}
+
+    def broken():
+        from json import no_such_name  # noqa: F401
+
+        return {}
+
+    rows = run_cases([("8-bit", 0.0, no_bnb), ("broken", 0.0, broken)], Budget(60))
+    assert (
+        rows[0]["status"] == "missing"
+        and rows[0]["note"] == "needs bitsandbytes_not_installed (not installed)"
+    )
+    assert rows[1]["status"] == "failed" and "no_such_name" in rows[1]["note"]
+
+
+def test_packages_flag_checks_the_needed_packages_alone(monkeypatch, capsys):
+    assert gc.main(["--packages"]) == 0  # this environment has every wheel (pyproject's dev extra)
+    assert [line.split()[:2] for line in capsys.readouterr().out.splitlines()] == [
+        ["ok", name] for name in gc.NEEDS
+    ]
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    assert gc.main(["--packages"]) == 3
+    out = capsys.readouterr().out
+    assert (
+        "MISSING  bitsandbytes" in out and "MISSING PACKAGES: bitsandbytes (numerics, memory, step_7b)" in out
+    )
+
+
+@pytest.mark.run
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_speed_case_leaves_no_tensor_of_its_own_alive(monkeypatch, compiled):
+    """issue 37, G11: a case's model, optimizer and their state are garbage by the time the case
+    calls `free` (its collection and CUDA's ``empty_cache``), so that call can return their memory
+    and cases do not pile up on the device; checked by weak references inside `free`'s call."""
+    from effpretrain import optim_setup, run_model
+
+    refs = []
+    alive_at_free = []
+    real_free = gc.free
+
+    def free_spy(device):
+        real_free(device)
+        alive_at_free.append([type(x).__name__ for r in refs if (x := r()) is not None])
+
+    monkeypatch.setattr(gc, "free", free_spy)
+    build_model, build_opt = run_model.build_run_model, optim_setup.build_optimizer_and_schedule
+
+    def model_spy(cfg, vocab):
+        model, extra = build_model(cfg, vocab)
+        refs.extend([weakref.ref(model), *(weakref.ref(p) for p in model.parameters())])
+        return model, extra
+
+    def opt_spy(model, cfg):
+        opt, sched = build_opt(model, cfg)
+        refs.extend([weakref.ref(opt), weakref.ref(sched)])
+        return opt, sched
+
+    monkeypatch.setattr(run_model, "build_run_model", model_spy)
+    monkeypatch.setattr(optim_setup, "build_optimizer_and_schedule", opt_spy)
+    row = gc.speed_case("galore", gc.SMOKE, 2, compiled)
+    assert row["tokens_per_s"] > 0 and len(refs) > 3
+    assert alive_at_free == [[]]
+    assert all(r() is None for r in refs)
 
 
 def test_the_budget_lists_the_cases_it_did_not_reach(tmp_path):

@@ -78,7 +78,9 @@ def _model(kind, seed=0):
 @pytest.mark.parametrize("kind", ["cola", "cola_m"])
 def test_identity_cola_equals_low_rank_step_for_step(kind):
     """Acceptance: with sigma the identity, CoLA (and CoLA-M) is Low-Rank: the same init (copied) and
-    the same AdamW steps give bitwise-equal losses and weights."""
+    the same AdamW steps give bitwise-equal losses and weights. Bitwise because the same kernels
+    run: CoLA's forward is Low-Rank's F.linear calls with an identity between them, and CoLA-M's
+    backward issues the aten calls autograd issues for them (see the next test)."""
     low, cola = _model("lowrank"), _model(kind)
     cola.load_state_dict(low.state_dict())
     for layer in cola.modules():
@@ -108,6 +110,10 @@ def test_identity_cola_equals_low_rank_step_for_step(kind):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_cola_m_outputs_and_gradients_equal_cola(bias):
+    """Bitwise: CoLA-M's backward issues the aten calls autograd issues for CoLA's graph, with the
+    same operands and layouts (logged with a TorchDispatchMode: dB = mm(G^T, h) and dA =
+    mm(dz^T, x) as autograd computes the gradient of a transposed weight, dh = mm(G, B),
+    silu_backward, dx = mm(dz, A), the bias's row sum), so no kernel sums in another order."""
     cola, colam = _pair(bias=bias)
     x = torch.randn(3, 7, 20, requires_grad=True)
     grads = []

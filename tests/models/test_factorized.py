@@ -137,7 +137,7 @@ def test_sltrain_support_survives_state_dict_round_trip():
     other.load_state_dict(torch.load(buf, weights_only=True))
     assert torch.equal(other.sparse_index, layer.sparse_index)
     x = torch.randn(4, layer.in_features)
-    assert torch.equal(other(x), layer(x))
+    assert torch.equal(other(x), layer(x))  # bitwise: the same tensors through the same forward
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -186,6 +186,56 @@ def test_relora_merge_preserves_outputs_and_loses_no_update():
         F.mse_loss(layer(x), torch.zeros_like(before)).backward()
         opt.step()
     assert torch.count_nonzero(layer.B) > 0
+
+
+class _OnDevice(torch.Tensor):
+    """A CPU tensor that reports a CUDA device: the device branch of `init_on_cpu_` without a GPU."""
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize(
+    "init",
+    [
+        lambda x: nn.init.kaiming_uniform_(x, a=math.sqrt(5)),
+        lambda x: nn.init.uniform_(x, -0.1, 0.1),
+        lambda x: nn.init.normal_(x, std=0.3),
+    ],
+)
+def test_factor_inits_on_a_device_draw_on_the_cpu_from_the_global_generator(init):
+    """issue 37, G7: a device tensor is filled from a CPU draw of torch's global CPU generator (the
+    one the trainer checkpoints), so its values do not depend on the device; the init never runs on
+    the device tensor itself."""
+    from effpretrain.models.factorized.layers import init_on_cpu_
+
+    seen = []
+    t = torch.Tensor._make_subclass(_OnDevice, torch.zeros(6, 10))
+    assert t.device.type == "cuda"
+    torch.manual_seed(3)
+    init_on_cpu_(t, lambda x: seen.append(x.device.type) or init(x))
+    after = torch.get_rng_state()
+    torch.manual_seed(3)
+    expected = torch.empty(6, 10)
+    init(expected)
+    assert seen == ["cpu"]
+    assert torch.equal(t.as_subclass(torch.Tensor), expected)
+    assert torch.equal(after, torch.get_rng_state())  # the same draws consumed from the global CPU stream
+    # A meta tensor has nothing to fill and consumes no draw (a model built on meta stays free).
+    torch.manual_seed(3)
+    init_on_cpu_(torch.empty(6, 10, device="meta"), init)
+    assert torch.equal(torch.get_rng_state(), torch.manual_seed(3).get_state())
+
+
+def test_relora_reinit_draws_a_from_the_global_cpu_generator():
+    layer = _layer("relora", m=16, n=24, r=4)
+    torch.manual_seed(11)
+    layer.merge_and_reinit_()
+    torch.manual_seed(11)
+    expected = torch.empty(4, 24)
+    nn.init.kaiming_uniform_(expected, a=math.sqrt(5))
+    assert torch.equal(layer.A.detach(), expected)
 
 
 @pytest.mark.parametrize("prune_ratio", [None, 0.5])

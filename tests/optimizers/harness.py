@@ -130,7 +130,8 @@ def snapshot(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
 
 
 def assert_same_state(got: Mapping[str, Any], want: Mapping[str, Any]) -> None:
-    """One parameter's state, key by key: tensors bitwise, numbers equal."""
+    """One parameter's state, key by key: tensors bitwise, numbers equal (for the same uses as
+    `assert_same`)."""
     assert got.keys() == want.keys()
     for k, v in want.items():
         assert torch.equal(got[k], v) if torch.is_tensor(v) else got[k] == v, k
@@ -142,7 +143,9 @@ def group_options(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
 
 
 def assert_same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], what: str = "") -> None:
-    """Bitwise equality, tensor by tensor."""
+    """Bitwise equality, tensor by tensor. Only for two sides that run the same operations in the
+    same order (the same run twice, a resume, a no-op, code written op for op as a reference's);
+    each caller says which. Other comparisons take a tolerance (`run_beside`)."""
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
         assert torch.equal(x, y), (
             f"{what}: tensor {i} differs by {float((x.detach().float() - y.detach().float()).abs().max())}"
@@ -493,7 +496,8 @@ def check_case(name: str, case: Case) -> None:
 
 
 def check_determinism(name: str, case: Case, variant: str) -> None:
-    """Two runs from the same seeds are bitwise equal."""
+    """Two runs from the same seeds are bitwise equal (the same code twice: the same kernels in
+    the same order)."""
     finals = []
     for _ in range(2):
         params = make_params()
@@ -506,7 +510,8 @@ def check_resume(name: str, case: Case, variant: str, dtype: torch.dtype = torch
     """A run checkpointed after `split` steps (torch.save of its state dict, loaded with
     weights_only into a fresh optimizer over fresh copies of the weights) and finished from there
     is bitwise the straight run, across the schedule event after the split; every state tensor
-    keeps its saved dtype."""
+    keeps its saved dtype. Bitwise: the resumed run executes the same kernels in the same order as
+    the straight one, on the saved values."""
     straight = make_params(dtype=dtype)
     opt = build(name, straight, case, variant)
     _run_case(opt, straight, case, 0, case.split)
@@ -647,7 +652,9 @@ def check_zero_gradient_dummy_step(name: str, case: Case) -> None:
     """A step on all-zero gradients (what distributed checkpoint loaders do) materialises the
     state with its final shapes (the formula's bytes, floating tensors zero) but runs no basis
     computation, moves no weight and advances no counter; the run then equals a fresh one. In
-    the middle of a run, just before a refresh, it changes nothing at all (docs/architecture.md)."""
+    the middle of a run, just before a refresh, it changes nothing at all (docs/architecture.md).
+    Bitwise: a state that the dummy step only allocated (zeros) is stepped by the same kernels as
+    a fresh one, so any difference is the dummy step's doing."""
     spec = optimizers.method_spec(name)
     variant = next(iter(case.variants))
     params, fresh_params = make_params(), make_params()

@@ -31,7 +31,8 @@ def check_groups(name: str, roles: list[str]) -> None:
 def check_dummy_step(name: str, **kw: Any) -> None:
     """A step on all-zero gradients (distributed checkpoint loaders) allocates every parameter's
     state (the formula's bytes, zeros), moves no weight, advances no counter, and the run then
-    equals a fresh one; in mid-run it changes nothing at all."""
+    equals a fresh one; in mid-run it changes nothing at all. Bitwise: a state that the dummy step
+    only allocated (zeros) is stepped by the same kernels as a fresh one."""
     spec = optimizers.method_spec(name)
     params, fresh_params = make_params(), make_params()
     opt, fresh = build(name, params, **kw), build(name, fresh_params, **kw)
@@ -62,7 +63,8 @@ def check_dummy_step(name: str, **kw: Any) -> None:
 
 def check_adamw_part(name: str) -> None:
     """Parameters outside the matrix groups step exactly as torch.optim.AdamW (single-tensor path),
-    bitwise, with and without weight decay."""
+    bitwise, with and without weight decay: `optimizers._adam.adamw_step_` is that path's sequence
+    of element-wise operations, op for op, so the same kernels run on the same values."""
     ours, ref = make_params(std=1.0), make_params(std=1.0)
     adam = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8}
     groups = [{"params": ours[:3], "weight_decay": 0.1}, {"params": ours[3:], "weight_decay": 0.0}]

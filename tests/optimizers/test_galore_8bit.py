@@ -82,8 +82,15 @@ def test_matches_galore_torch_8bit_across_refreshes(
     ref_opt = ref_cls(reference_groups(ref, **kw), lr=1e-2, weight_decay=weight_decay, min_8bit_size=0)
     run_beside(opt, ours, ref_opt, ref, 5, tol=tol)  # refreshes at steps 1 and 4
     # Same quantised moments as the reference, and no more state bytes (it also stores the maps).
+    # Not bitwise: bitsandbytes' fused 8-bit update and our dequantize-update-quantize round M in
+    # another operation order (and with CPU-specific vector code), so an M within an ulp of the
+    # midpoint between two codes may take either. Measured here: no code differs. Allowed: 1% of
+    # the codes, each to a neighbouring code (the signed map is sorted); another map, block size
+    # or beta1 changes most codes.
     st, ref_st = opt.state[ours[0]], ref_opt.state[ref[0]]
-    assert torch.equal(st["exp_avg"], ref_st["state1"])
+    codes = st["exp_avg"].int() - ref_st["state1"].int()
+    assert codes.shape == ref_st["state1"].shape and int(codes.abs().max()) <= 1
+    assert float((codes != 0).float().mean()) <= 0.01, int((codes != 0).sum())
     torch.testing.assert_close(st["exp_avg_sq_absmax"], ref_st["absmax2"], rtol=1e-5, atol=0)
     assert state_bytes_of(opt, ours[0]) < sum(
         v.numel() * v.element_size() for v in ref_st.values() if torch.is_tensor(v)

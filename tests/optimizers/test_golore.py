@@ -50,6 +50,7 @@ def test_random_basis_is_uniform_on_the_stiefel_manifold() -> None:
 
 @pytest.mark.parametrize("basis", ["svd", "randomized_svd"])
 def test_rand_ratio_one_is_galore_bitwise(basis: str) -> None:
+    """Bitwise: GoLore with rand_ratio 1 never switches, so it runs GaLore's own step code."""
     ours, ref = make_params(REF_SHAPES), make_params(REF_SHAPES)
     kw = {"scale": 0.25, "basis": basis}
     opt = GoLoreAdamW(

@@ -168,7 +168,8 @@ def test_exact_steps_follow_k_and_the_restarts_refresh_adam_but_not_the_schedule
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_resume_across_an_exact_step_is_bitwise_exact(dtype: torch.dtype) -> None:
-    """Saved after 2 updates (weights_only), resumed, and run through the exact steps at 3 and 6."""
+    """Saved after 2 updates (weights_only), resumed, and run through the exact steps at 3 and 6.
+    Bitwise: the resumed run executes the same kernels in the same order as the straight one."""
     opt, straight = _loro_run(dtype)
     _steps(opt, straight, 0, 2)
     saved = roundtrip(opt.state_dict())
@@ -187,6 +188,7 @@ def test_resume_across_an_exact_step_is_bitwise_exact(dtype: torch.dtype) -> Non
 
 
 def test_two_runs_are_bitwise_equal() -> None:
+    """The same code twice: the same kernels in the same order."""
     finals = []
     for _ in range(2):
         opt, params = _loro_run()
@@ -211,7 +213,8 @@ def test_state_bytes_equal_the_formula(dtype: torch.dtype) -> None:
 
 
 def test_first_step_on_zero_gradients_only_allocates_state() -> None:
-    """A checkpoint loader's dummy step: state allocated, nothing moved, nothing counted."""
+    """A checkpoint loader's dummy step: state allocated, nothing moved, nothing counted. Bitwise:
+    the allocated (zero) state is stepped by the same kernels as a fresh optimizer's."""
     opt, params = _loro_run()
     fresh_opt, fresh = _loro_run()
     for p in params:
@@ -310,7 +313,8 @@ def test_estimated_peak_matches_measured_across_an_exact_step() -> None:
 
 def test_trainer_resume_across_an_exact_step_is_bitwise_exact(tmp_path, tiny_overrides) -> None:
     """The trainer resumed from step 2's checkpoint crosses the exact steps (and refreshes) at 3
-    and 6 and ends on the straight run's weights, bit for bit."""
+    and 6 and ends on the straight run's weights, bit for bit (the resumed run executes the same
+    kernels in the same order as the straight one)."""
     from safetensors.torch import load_file
 
     from effpretrain.config import load_config

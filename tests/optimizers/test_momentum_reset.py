@@ -64,7 +64,7 @@ def test_reset_then_step_equals_fresh_optimizer(foreach):
     _train(opt, params, 2, seed=7)
     _train(fresh, twins, 2, seed=7)
     for p, q in zip(params, twins):
-        assert torch.equal(p, q)
+        assert torch.equal(p, q)  # bitwise: the same kernels on the same (reset / fresh) state
 
 
 def test_reset_changes_the_next_update():
@@ -126,7 +126,8 @@ def test_every_methods_reset_then_step_equals_a_fresh_optimizer(name):
     their scales) leaves state under which the next update is a freshly built optimizer's first,
     bitwise. A projected method refreshes its basis at the step after a reset (t = 0), here with
     the exact SVD (the default randomized SVD is seeded by the refresh count, which a reset keeps:
-    another sketch than a fresh optimizer's first, by design), from step 1's gradient again."""
+    another sketch than a fresh optimizer's first, by design), from step 1's gradient again.
+    Bitwise: a reset state holds what a fresh one holds, and the same kernels step it."""
     if name.endswith("8bit"):
         pytest.importorskip("bitsandbytes")
     spec = optimizers.METHODS[name]

@@ -32,7 +32,9 @@ CONTRACT = harness.Case(
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_equals_torch_muon_plus_adamw(adjust: str, nesterov: bool) -> None:
     """Hidden matrices step as torch.optim.Muon (same lr, momentum, nesterov, NS coefficients and
-    steps, weight decay, adjust_lr_fn), the others as torch.optim.AdamW: bitwise, 10 steps."""
+    steps, weight decay, adjust_lr_fn), the others as torch.optim.AdamW: bitwise, 10 steps.
+    Bitwise because ours is torch's single-tensor Muon op for op (the lerps, the bf16 Newton-Schulz
+    matmuls on the same layouts, the decay, the add) and `adamw_step_` torch's AdamW path."""
     ours, ref = make_params(), make_params()
     kw = {"lr": 2e-2, "weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8}
     groups = harness.param_groups("muon", ours[:2], ours[2:3], ours[3:], weight_decay=0.1)

@@ -281,14 +281,20 @@ def test_owner_steps_equal_one_process_bitwise(name, report):
     for whole, shape, equal, rel in zip(
         r["whole_step"], r["shapes"], r["equal_to_one_process"], r["rel_diff"]
     ):
-        # Shards of whole 256-entry rows (GaLore-8bit steps them in place) split where the whole
-        # tensor's blocks and vector lanes do.
+        # Bitwise where the same operations run on every entry: a whole step runs on its owner
+        # with one process's code on the same gathered gradient; under 2 ranks (one thread each:
+        # no parallel split of a loop) every shard starts at a multiple of 32 entries (2 x
+        # AVX-512's 16 floats, the widest vector step of torch's CPU loops), and shards of whole
+        # 256-entry rows (GaLore-8bit steps them in place) split where the whole tensor's blocks
+        # do, so each entry takes the same vector or scalar path as in the whole tensor.
         if whole or world == 2 or (len(shape) == 2 and shape[1] % 256 == 0):
             assert equal, (world, shape, r["rel_diff"])
         else:
             # An element-wise (AdamW) shard of uneven length runs torch's fused kernel with another
             # vector tail than the whole tensor: the last bits may differ (not the owner layer's).
             assert rel <= 1e-6, (world, r["rel_diff"])
+    # The same step code on the same gradients, where only the rank running it differs; a resume
+    # runs the same kernels in the same order as the straight run: bitwise.
     assert r["owner_equals_gather"]
     assert r["resume_exact"]
     if name == "galore_8bit":  # its (40, 256) matrix was saved whole by its owner, resumed by rows

@@ -100,6 +100,7 @@ def test_switches_turn_parts_off():
         _train_step(model, opt, i)
         _train_step(twin, plain, i)
     assert opt.num_restarts == 2
+    # Bitwise: with both parts off the wrapper only calls the inner AdamW, as the plain one runs.
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
 
 
@@ -146,7 +147,7 @@ def test_resume_across_a_restart_boundary_is_bitwise_exact():
 
     assert opt.num_restarts == opt2.num_restarts == 2
     for p, q in zip(model.parameters(), second.parameters()):
-        assert torch.equal(p, q)
+        assert torch.equal(p, q)  # bitwise: the same kernels in the same order after the resume
     for p, q in zip(model.parameters(), second.parameters()):
         for k, v in opt.state[p].items():
             assert torch.equal(opt2.state[q][k], v)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from effpretrain.models.factorized.layers import FactorizedLinear
+from effpretrain.models.factorized.layers import FactorizedLinear, init_on_cpu_
 
 logger = logging.getLogger("effpretrain")
 
@@ -66,8 +66,8 @@ class CoLALinear(FactorizedLinear):
     def reset_parameters(self) -> None:
         """A, B ~ N(0, (r (m + n))^(-1/2)): Var((B A)_ij) = 1 / (m + n)."""
         std = (self.rank * (self.in_features + self.out_features)) ** -0.25
-        nn.init.normal_(self.A, std=std)
-        nn.init.normal_(self.B, std=std)
+        init_on_cpu_(self.A, lambda x: nn.init.normal_(x, std=std))
+        init_on_cpu_(self.B, lambda x: nn.init.normal_(x, std=std))
 
     def forward(self, x: Tensor) -> Tensor:
         act = COLA_ACTIVATIONS[self.activation]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from fractions import Fraction
 
 import torch
@@ -18,9 +19,24 @@ logger = logging.getLogger("effpretrain")
 TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def init_on_cpu_(t: Tensor, init: Callable[[Tensor], object]) -> None:
+    """Fills `t` with `init` (an ``nn.init`` function) run on the CPU: the values come from torch's
+    global CPU generator, which the trainer seeds and checkpoints (`run_state.RngState`), so a
+    factor drawn on a GPU (a ReLoRA re-initialisation, a layer built on the device) is the one the
+    same run draws on the CPU, on any GPU model and after a resume on other hardware. On a CPU
+    tensor it is ``init(t)`` itself; on a meta tensor too (nothing to fill, no draw consumed)."""
+    if t.device.type in ("cpu", "meta"):
+        init(t)
+        return
+    host = torch.empty(t.shape, dtype=t.dtype, device="cpu")  # explicit: not a default-device context's
+    init(host)
+    with torch.no_grad():
+        t.copy_(host)
+
+
 def _kaiming_(t: Tensor) -> None:
     # nn.Linear's default: kaiming_uniform(a=sqrt(5)) == U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
-    nn.init.kaiming_uniform_(t, a=math.sqrt(5))
+    init_on_cpu_(t, lambda x: nn.init.kaiming_uniform_(x, a=math.sqrt(5)))
 
 
 def sparse_nnz(m: int, n: int, density: float) -> int:
@@ -61,7 +77,7 @@ class FactorizedLinear(nn.Module):
         if bias is True:
             bias = nn.Parameter(torch.empty(out_features, **kw))
             bound = 1.0 / math.sqrt(in_features)
-            nn.init.uniform_(bias, -bound, bound)
+            init_on_cpu_(bias, lambda x: nn.init.uniform_(x, -bound, bound))
         self.register_parameter("bias", None if bias is None or bias is False else bias)
 
     def factor_pair(self) -> tuple[nn.Parameter, nn.Parameter]:
@@ -177,7 +193,9 @@ class ReLoRALinear(LoRALinear):
 
         Under FSDP2 (DTensor W0, B, A) the merge runs on the whole tensors (gathered on every
         rank) and the new A is drawn whole on every rank from the same RNG state (the trainer's
-        ranks share it), each rank keeping its shard: the result is a single process's.
+        ranks share it), each rank keeping its shard: the result is a single process's. The new A
+        is drawn on the CPU from torch's global generator and copied (`init_on_cpu_`), so it does
+        not depend on the device.
         """
 
         w, b, a = whole(self.weight), whole(self.B), whole(self.A)

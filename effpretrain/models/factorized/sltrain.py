@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from effpretrain.models.factorized.layers import FactorizedLinear, _kaiming_, sparse_nnz
+from effpretrain.models.factorized.layers import FactorizedLinear, _kaiming_, init_on_cpu_, sparse_nnz
 
 logger = logging.getLogger("effpretrain")
 
@@ -144,7 +144,7 @@ class SLTrainLinear(FactorizedLinear):
         _kaiming_(self.A)
         nn.init.zeros_(self.B)
         bound = 1.0 / math.sqrt(self.in_features)
-        nn.init.uniform_(self.sparse_values, -bound, bound)
+        init_on_cpu_(self.sparse_values, lambda x: nn.init.uniform_(x, -bound, bound))
 
     def forward(self, x: Tensor) -> Tensor:
         tensors = [x, self.B, self.A, self.sparse_values]
