@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,7 @@ from effpretrain.run_model import build_run_model, place_model
 from effpretrain.run_state import EXACTNESS_KEYS, DataPosition, OptionalPart, Progress, RngState, RunFacts
 from effpretrain.signals import StopSignals
 from optimizers._sharded import local as _local
+from optimizers._streams import DeviceTimer
 
 __all__ = [
     "EXACTNESS_KEYS",
@@ -85,7 +85,6 @@ class Trainer:
         self._set_up_data()
         self._set_up_model_and_optimizer(self._build_model())
         self.progress = Progress()
-        self.opt_seconds = 0.0  # wall time inside optimizer.step() (events included), this process
         self.grad_bytes = 0  # measured per rank after the first step
         self.grad_bytes_source = "every_trainable_parameter"  # what grad_bytes is (`_grad_bytes`)
         self.memory_steps = set(memory_steps(cfg))
@@ -104,6 +103,8 @@ class Trainer:
         from accelerate.utils import set_seed
 
         self.acc = make_accelerator(self.cfg, self.out)
+        # Device time inside optimizer.step() and the in-backward unit steps, this process.
+        self.opt_timer = DeviceTimer(self.acc.device)
         self.launch = choose_launch(self.acc, self.cfg)
         self.rank, self.world, self.is_main = self.launch.rank, self.launch.world, self.launch.is_main
         check_launch(self.world, self.cfg)
@@ -196,6 +197,7 @@ class Trainer:
             list(model.parameters()), self.inner_opt, self.cfg.train, reduce
         )
         self.in_backward.prev_norm = prev
+        self.in_backward.timer = self.opt_timer
 
     def _checkpointer(self, allow_config_change: bool) -> Checkpointer:
         """The run's checkpoints as named parts (`effpretrain.checkpoint.states`)."""
@@ -370,7 +372,7 @@ class Trainer:
                 "peak_memory_bytes": measure.process_peak_bytes(self.acc.device),
                 "optimizer_state_bytes": optimizers.measured_state_bytes(self.inner_opt),
                 **self._telemetry(),
-                "opt/step_s": self.opt_seconds,
+                "opt/step_s": self.opt_timer.seconds(),
             }
         )
 
@@ -437,8 +439,6 @@ class Trainer:
         loss = self._forward_backward()
         gnorm, finite = self.launch.finish_step(self.model, self.in_backward, loss)
         if self.in_backward is not None:
-            self.opt_seconds += self.in_backward.step_seconds
-            self.in_backward.step_seconds = 0.0
             if self.in_backward.skipped:
                 log.warning(
                     "step %d: %d parameters with non-finite gradients were not updated",
@@ -446,9 +446,8 @@ class Trainer:
                     self.in_backward.skipped,
                 )
         if finite:
-            t0 = time.perf_counter()
-            self.opt.step()
-            self.opt_seconds += time.perf_counter() - t0
+            with self.opt_timer:
+                self.opt.step()
             self.sched.step()
         else:
             # Nothing advances on a skipped step: not the schedule, the optimizer, nor the data.
