@@ -26,7 +26,7 @@ from effpretrain import data as data_mod
 from effpretrain import evaluation, flops, memory, optim_setup
 from effpretrain.checkpoint import Checkpointer, find_resume
 from effpretrain.checkpoint import complete_checkpoints as _complete_checkpoints
-from effpretrain.compile import check_compilable, compile_seconds
+from effpretrain.compile import COMPILE_WARMUP_STEPS, check_compilable, compile_seconds
 from effpretrain.config import RunConfig, dump_yaml
 from effpretrain.errors import ConfigError
 from effpretrain.evaluation import EvalResult, evaluate_checkpoint
@@ -543,25 +543,34 @@ def due(every: int, step: int, max_steps: int) -> bool:
 
 
 def memory_steps(cfg: RunConfig) -> list[int]:
-    """The steps whose memory a run measures: `train.memory_steps` when set, else steps 1 and 2
-    (the first builds the optimizer state, the second is the first to hold it from the start:
-    the steady state), the first basis refresh after them for a projected method (refreshes fall on steps 1, T + 1, 2T + 1,
-    ... with T = `optim.update_proj_gap`: optimizers/projected_adam.py) and the first restart (the
-    step after whose update it runs: `restarts.every`, counted after the warm start for a kind that
-    merges at restarts, as `optim_setup.wrap_restarts` sets it up); steps past `train.max_steps`
-    are dropped."""
+    """The steps whose memory a run measures: `train.memory_steps` when set (as given), else steps
+    1 and 2 (the first builds the optimizer state, the second is the first to hold it from the
+    start: the steady state), the first basis refresh after them for a projected method (refreshes
+    fall on steps 1, T + 1, 2T + 1, ... with T = `optim.update_proj_gap`:
+    optimizers/projected_adam.py) and the first restart (the step after whose update it runs:
+    `restarts.every`, counted after the warm start for a kind that merges at restarts, as
+    `optim_setup.wrap_restarts` sets it up); steps past `train.max_steps` are dropped.
+
+    With `train.compile` the default steps start after the compilation warm-up
+    (`effpretrain.compile.COMPILE_WARMUP_STEPS`: steps 2 and 3, no default step before them): the
+    first step compiles the blocks, and on CUDA the allocator's peak of that step holds Inductor's
+    and Triton's autotuning buffers. The step that builds the optimizer state is then not
+    measured (the weights, gradients and state it ends with are step 2's); a basis refresh and a
+    restart are measured at their own steps as without compilation."""
     train_cfg = cfg.train
     if train_cfg.memory_steps is not None:
         steps = list(train_cfg.memory_steps)
+        first = 1
     else:
-        steps = [1, 2]
+        first = 1 + (COMPILE_WARMUP_STEPS if train_cfg.compile else 0)
+        steps = [first, first + 1]
         if optimizers.method_spec(cfg.optim.name).projects:
             steps.append(cfg.optim.update_proj_gap + 1)
         if cfg.restarts.every:
             kind = cfg.factor.kind
             merges = kind != "none" and factor_spec(kind).merges_at_restart
             steps.append((cfg.factor.warm_start_steps if merges else 0) + cfg.restarts.every)
-    return sorted({s for s in steps if s <= train_cfg.max_steps})
+    return sorted({s for s in steps if first <= s <= train_cfg.max_steps})
 
 
 def _check_writable_dir(out: Path) -> None:
