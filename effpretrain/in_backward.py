@@ -98,12 +98,13 @@ On CUDA:
   snapshot: copy the unit's parameter and state (p + s bytes) before the step and select them
   back (``torch.where`` on a device flag) where the gradient was not finite, which costs about
   5 (p + s) bytes of memory traffic per unit and step and p + s transient bytes (for llama_7b
-  with galore_8bit in bf16, some 67 GB per step, tens of milliseconds at 1-3 TB/s, and the
-  embedding's 262 MB at the peak); a read costs the GPU the time to launch the next kernel after
-  the queue drained (tens of microseconds, about 290 per step at 7B). The read is the cheaper,
-  so it stays. Under FSDP2 it also waits for that unit's reduce-scatter. The projected and
-  matrix methods read the device once more in each step (`optimizers._sharded.nonzero_flags`,
-  the zero-gradient check a checkpoint loader's dummy step needs).
+  with galore_8bit in bf16 at least 67 GB per step, 5 p alone: tens of milliseconds at 1-3 TB/s;
+  and the embedding's 262 MB at the peak); a read costs the GPU the time to launch the next
+  kernel after the queue drained (tens of microseconds, about 290 per step at 7B; estimates,
+  not yet measured on a GPU). The read is the cheaper, so it stays. Under FSDP2 it also waits for that unit's reduce-scatter. The
+  projected and matrix methods read the device once more in each step
+  (`optimizers._sharded.nonzero_flags`, the zero-gradient check a checkpoint loader's dummy step
+  needs).
 """
 
 from __future__ import annotations
@@ -170,6 +171,7 @@ class InBackward:
         order: this step's parameters (indices into `params`) in the order their gradients became
             final (the order of the `reduce` calls; `check_same_order`).
         skipped: parameters not updated in the last step (non-finite gradient).
+        device: the parameters' (local) device, where the squares are summed.
         timer: the device time of the per-unit optimizer steps (`optimizers._streams.DeviceTimer`:
             timing events on CUDA, no host synchronisation per unit); the trainer hands its own.
     """
@@ -189,7 +191,8 @@ class InBackward:
         self.reduce = reduce
         self.prev_norm: float | None = None
         self.skipped = 0
-        self.timer = DeviceTimer(local(self.params[0]).device if self.params else "cpu")
+        self.device = local(self.params[0]).device if self.params else torch.device("cpu")
+        self.timer = DeviceTimer(self.device)
         self._group = {id(p): g for g in self.opt.param_groups for p in g["params"]}
         self._unit = {id(p): unit for unit in step_units(self.opt, self.params) for p in unit}
         self._index = {id(p): i for i, p in enumerate(self.params)}
@@ -235,7 +238,7 @@ class InBackward:
     def _global_norm(self) -> float:
         """sqrt(sum of this step's squares), the fp64 sum in model order (the same in every launch
         mode), added where the squares are: one host read for the step, not one per parameter."""
-        total = torch.zeros((), dtype=torch.float64, device=self.timer.device)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in self.params:
             sq = self._squares.get(id(p))
             if sq is not None:
