@@ -1,7 +1,8 @@
 """One command that proves effpretrain on a GPU: CUDA numerics, memory by category at 1B, speed
 (eager and compiled, MFU), and the HF Trainer's own GaLore side by side.
 
-    python benchmarks/gpu_check.py [--out DIR] [--budget-s 420] [--sections numerics,memory,step_7b,speed,hf]
+    python benchmarks/gpu_check.py [--out DIR] [--budget-s 420]
+        [--sections numerics,memory,step_7b,in_backward_fsdp2,speed,hf]
     python benchmarks/gpu_check.py --smoke    # every section's code at tiny scale on the CPU
 
 Sections (each writes ``DIR/<section>.json`` and ``DIR/<section>.md``, headed by the commit, the
@@ -20,6 +21,11 @@ device's name, and the torch and CUDA versions; ``DIR/summary.md`` joins them):
 - ``step_7b``: GaLore's 24 GB claim: 3 steps of llama_7b with galore_8bit (rank 1024), updates in
   backward, no clipping, batch 1 x 256 tokens, bf16-pure; measured by category against the
   estimate, as ``memory`` (skipped where bitsandbytes is missing).
+- ``in_backward_fsdp2``: FSDP2 on one GPU (a process group of one), galore_8bit and adamw_8bit,
+  a few steps with updates in backward against the same steps without (clipping off, one
+  micro-batch): the hooks run on FSDP2's reduce-scatter stream and bitsandbytes' kernels on the
+  legacy default stream (`optimizers._streams`). Target: the same weights bitwise at fp32, the
+  last loss within 1% in bf16 (skipped where bitsandbytes is missing).
 - ``speed``: tokens/s and MFU at the same shape for adamw, galore, apollo_mini, muon and lowrank,
   eager and compiled (`train.compile`): the median of timed steps after warm-up steps, the
   compile time apart, the optimizer step's share of a step, and a refresh's time amortised over
@@ -132,6 +138,9 @@ class Scale:
     hf_vocab: int
     big_preset: str  # the 7B step's model and GaLore rank
     big_rank: int
+    fsdp2_preset: str  # the FSDP2 + updates-in-backward pairs: model, batch, steps
+    fsdp2_batch: int
+    fsdp2_steps: int
 
 
 FULL = Scale(
@@ -152,6 +161,9 @@ FULL = Scale(
     hf_vocab=8192,
     big_preset="llama_7b",
     big_rank=1024,
+    fsdp2_preset="llama_130m",
+    fsdp2_batch=8,
+    fsdp2_steps=5,
 )
 SMOKE = dataclasses.replace(
     FULL,
@@ -171,6 +183,9 @@ SMOKE = dataclasses.replace(
     hf_vocab=512,
     big_preset="tiny",
     big_rank=8,
+    fsdp2_preset="tiny",
+    fsdp2_batch=2,
+    fsdp2_steps=2,
 )
 
 
@@ -381,6 +396,111 @@ def section_step_7b(scale: Scale, budget: Budget) -> list[dict[str, Any]]:
     )
     case = f"galore_8bit {scale.big_preset} r{scale.big_rank} in backward"
     return run_cases([(case, 120.0, lambda: memory_case("galore_8bit", scale, 1, extra, steps=3))], budget)
+
+
+# ----------------------------------------------------------------------------------------------
+# b2. FSDP2 + updates in backward + 8-bit state, on one device
+
+
+#: (method, precision) pairs of the section; the target of each: bitwise at fp32, else the loss.
+IN_BACKWARD_FSDP2 = (
+    ("galore_8bit", "fp32"),
+    ("adamw_8bit", "fp32"),
+    ("galore_8bit", "bf16-pure"),
+    ("adamw_8bit", "bf16-pure"),
+)
+
+
+@contextlib.contextmanager
+def one_process_group(device: str) -> Iterator[None]:
+    """A process group of this one process (NCCL on CUDA, gloo on the CPU), for FSDP2 on one
+    device; destroyed after."""
+    import torch.distributed as dist
+
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group(
+        "nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def fsdp2_run(cfg: Any, device: str, steps: int, vocab: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """`steps` steps of `cfg` under FSDP2 on one device (its own process group must exist), as the
+    trainer's FSDP2 launch builds them (sharded, then the optimizer; with
+    ``train.update_in_backward`` the `InBackward` hooks, which FSDP2 runs on its reduce-scatter
+    stream): the final weights (on the CPU) and the losses."""
+    from effpretrain.fsdp import apply_fsdp2
+    from effpretrain.in_backward import InBackward
+    from effpretrain.optim_setup import build_optimizer_and_schedule
+    from effpretrain.run_model import build_run_model, make_train_step, place_model, synthetic_batch
+
+    torch.manual_seed(cfg.train.seed)
+    model, _ = build_run_model(cfg, vocab)
+    model = apply_fsdp2(place_model(model, cfg, device, 0))
+    opt, sched = build_optimizer_and_schedule(model, cfg)
+    inb = InBackward.for_run(model.parameters(), opt, cfg.train) if cfg.train.update_in_backward else None
+    counter = iter(range(10**6))
+    step = make_train_step(
+        model,
+        opt,
+        cfg,
+        lambda k: synthetic_batch(cfg, vocab, next(counter), device),
+        sched=sched,
+        in_backward=inb,
+    )
+    try:
+        losses = [step() for _ in range(steps)]
+        sync(device)
+        weights = {k: v.full_tensor().detach().float().cpu() for k, v in model.state_dict().items()}
+    finally:
+        if inb is not None:
+            inb.remove()
+        del model, opt, sched, step, inb
+        free(device)
+    return weights, losses
+
+
+def in_backward_fsdp2_case(method: str, precision: str, scale: Scale) -> dict[str, Any]:
+    """The same steps under FSDP2 on one device with and without updates in backward (clipping
+    off, one micro-batch: the same kernels on the same gradients, so the same weights bitwise
+    at fp32 when the 8-bit kernels are ordered with FSDP2's reduce-scatter stream; G1 of the
+    CUDA review, docs/gpu.md). bf16: the last losses within 1%."""
+    over = [
+        f"model.preset={scale.fsdp2_preset}",
+        f"data.seq_len={scale.seq_len}",
+        f"train.batch_size={scale.fsdp2_batch}",
+        "train.grad_accum=1",
+        "train.grad_clip=0",
+        f"train.precision={precision}",
+    ]
+    runs = {}
+    with one_process_group(scale.device):
+        for inb in (False, True):
+            cfg = load_config(RECIPES / "tiny" / f"{method}.yaml", [*over, f"train.update_in_backward={inb}"])
+            runs[inb] = fsdp2_run(cfg, scale.device, scale.fsdp2_steps, scale.vocab)
+    (ref, ref_losses), (got, losses) = runs[False], runs[True]
+    bitwise = all(torch.equal(got[k], ref[k]) for k in ref)
+    worst = max(float((got[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-12)) for k in ref)
+    loss_rel = abs(losses[-1] - ref_losses[-1]) / abs(ref_losses[-1])
+    return {
+        "precision": precision,
+        "steps": scale.fsdp2_steps,
+        "bitwise_equal": bitwise,
+        "worst_weight_rel_diff": worst,
+        "loss_rel_diff": loss_rel,
+        "within_target": bitwise if precision == "fp32" else loss_rel <= 0.01,
+    }
+
+
+def section_in_backward_fsdp2(scale: Scale, budget: Budget) -> list[dict[str, Any]]:
+    cases = [
+        (f"{m} {p}", 20.0, lambda m=m, p=p: in_backward_fsdp2_case(m, p, scale)) for m, p in IN_BACKWARD_FSDP2
+    ]
+    return run_cases(cases, budget)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -677,6 +797,8 @@ def run_section(section: str, scale: Scale, budget: Budget, scratch: Path) -> li
             return section_memory(scale, budget)
         if section == "step_7b":
             return section_step_7b(scale, budget)
+        if section == "in_backward_fsdp2":
+            return section_in_backward_fsdp2(scale, budget)
         if section == "speed":
             rows = section_speed(scale, budget)
             return rows + [{"case": f"ratios {r['method']}", "status": "ok", **r} for r in speed_ratios(rows)]

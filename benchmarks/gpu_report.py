@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("numerics", "memory", "step_7b", "speed", "hf")
+SECTIONS = ("numerics", "memory", "step_7b", "in_backward_fsdp2", "speed", "hf")
 
 
 def _cell(v: Any) -> str:

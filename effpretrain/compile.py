@@ -49,6 +49,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 __all__ = [
+    "COMPILE_WARMUP_STEPS",
     "RECOMPILE_LIMIT",
     "check_compilable",
     "compile_blocks",
@@ -57,6 +58,12 @@ __all__ = [
     "decoder_layers",
     "is_compiled",
 ]
+
+#: Steps a compiled run takes before its blocks are compiled: the first call of a block traces and
+#: compiles it (Inductor, and on CUDA Triton's autotuning, whose buffers the allocator sees), so a
+#: memory measurement of that step is the compiler's as much as the run's (`effpretrain.memory.
+#: measure`, the trainer's default `train.memory_steps`).
+COMPILE_WARMUP_STEPS = 1
 
 #: Graphs one compiled block function may hold (Dynamo's default is 8): each distinct combination
 #: of training/evaluation, checkpointing, requires_grad pattern and dtype needs its own.

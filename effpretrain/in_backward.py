@@ -76,12 +76,40 @@ Bytes (per rank; s_g the gradient itemsize): the accumulators, sum over paramete
 s_g r max(m, n) (low rank) or s_g numel (full) while K > 1, plus the gradients in flight: the
 largest step unit's final gradients plus the gradient autograd is producing (at most the two
 largest parameters' gradients); see `effpretrain.memory`.
+
+On CUDA:
+
+* Streams. A unit steps on its hook's current stream, which the launch mode sets to the stream
+  that produced the final gradient: autograd runs a post-accumulate-grad hook on the
+  AccumulateGrad node's stream after that stream waited for the one that computed the gradient;
+  FSDP2 calls the hooks inside ``torch.cuda.stream(post_reduce_stream)``, the stream of the
+  reduce-scatter that wrote the shard (and records its post-reduce event after them, which the
+  default stream waits for at the end of backward). PyTorch's kernels follow the current stream;
+  bitsandbytes' (the 8-bit methods) launch on the legacy default stream whatever it is, and those
+  methods order them with the hook's stream themselves (`optimizers._streams.ordered_on`: the
+  legacy stream waits for the hook's stream, runs them, and the hook's stream waits for it before
+  the gradient is freed or the next reduce-scatter starts).
+* Time. `timer` puts a pair of timing events around each unit's step and reads them when asked
+  (after one device synchronisation), so ``opt/step_s`` is the steps' device time, not their
+  launch time, and timing adds no host synchronisation inside backward.
+* Host reads. A step reads the device once per step unit (whether its final gradient is finite)
+  and once in `finish` (the norm: the squares stay on the device and are summed there). The
+  skip must be decided before the unit steps, and the one way to decide it on the device is a
+  snapshot: copy the unit's parameter and state (p + s bytes) before the step and select them
+  back (``torch.where`` on a device flag) where the gradient was not finite, which costs about
+  5 (p + s) bytes of memory traffic per unit and step and p + s transient bytes (for llama_7b
+  with galore_8bit in bf16 at least 67 GB per step, 5 p alone: tens of milliseconds at 1-3 TB/s;
+  and the embedding's 262 MB at the peak); a read costs the GPU the time to launch the next
+  kernel after the queue drained (tens of microseconds, about 290 per step at 7B; estimates,
+  not yet measured on a GPU). The read is the cheaper, so it stays. Under FSDP2 it also waits for that unit's reduce-scatter. The
+  projected and matrix methods read the device once more in each step
+  (`optimizers._sharded.nonzero_flags`, the zero-gradient check a checkpoint loader's dummy step
+  needs).
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -90,6 +118,7 @@ import torch
 from optimizers import FACTOR_PAIRS_KEY
 from optimizers import projection as proj
 from optimizers._sharded import local, sum_squares_fp64
+from optimizers._streams import DeviceTimer
 from optimizers.momentum_reset import unwrap_optimizer
 
 __all__ = [
@@ -142,7 +171,9 @@ class InBackward:
         order: this step's parameters (indices into `params`) in the order their gradients became
             final (the order of the `reduce` calls; `check_same_order`).
         skipped: parameters not updated in the last step (non-finite gradient).
-        step_seconds: wall time spent in the per-unit optimizer steps (cumulative).
+        device: the parameters' (local) device, where the squares are summed.
+        timer: the device time of the per-unit optimizer steps (`optimizers._streams.DeviceTimer`:
+            timing events on CUDA, no host synchronisation per unit); the trainer hands its own.
     """
 
     def __init__(
@@ -160,7 +191,8 @@ class InBackward:
         self.reduce = reduce
         self.prev_norm: float | None = None
         self.skipped = 0
-        self.step_seconds = 0.0
+        self.device = local(self.params[0]).device if self.params else torch.device("cpu")
+        self.timer = DeviceTimer(self.device)
         self._group = {id(p): g for g in self.opt.param_groups for p in g["params"]}
         self._unit = {id(p): unit for unit in step_units(self.opt, self.params) for p in unit}
         self._index = {id(p): i for i, p in enumerate(self.params)}
@@ -204,11 +236,13 @@ class InBackward:
         return norm
 
     def _global_norm(self) -> float:
-        total = torch.zeros((), dtype=torch.float64)
-        for p in self.params:  # model order, so the fp64 sum is the same in every launch mode
+        """sqrt(sum of this step's squares), the fp64 sum in model order (the same in every launch
+        mode), added where the squares are: one host read for the step, not one per parameter."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in self.params:
             sq = self._squares.get(id(p))
             if sq is not None:
-                total += sq.cpu()
+                total += sq
         return float(total.sqrt().float())
 
     # -- the hook ---------------------------------------------------------------------------
@@ -264,18 +298,20 @@ class InBackward:
 
     def _step(self, unit: list[torch.Tensor]) -> None:
         grads = [self._final.pop(id(q)) for q in unit]
-        if not all(bool(torch.isfinite(self._squares[id(q)])) for q in unit):
+        squares = [self._squares[id(q)] for q in unit]
+        # The one host read of a unit (module docstring, "On CUDA"): whether to step it at all.
+        if not bool(torch.isfinite(squares[0] if len(unit) == 1 else torch.stack(squares)).all()):
             self.skipped += len(unit)
             return
         for q, g in zip(unit, grads):
             if self._coef != 1.0:
                 g.mul_(self._coef)
             q.grad = g
-        t0 = time.perf_counter()
+        self.timer.start()
         try:
             self.opt.step()
         finally:
-            self.step_seconds += time.perf_counter() - t0
+            self.timer.stop()
             for q in unit:
                 q.grad = None
 

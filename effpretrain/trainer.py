@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from effpretrain import data as data_mod
 from effpretrain import evaluation, flops, memory, optim_setup
 from effpretrain.checkpoint import Checkpointer, find_resume
 from effpretrain.checkpoint import complete_checkpoints as _complete_checkpoints
-from effpretrain.compile import check_compilable, compile_seconds
+from effpretrain.compile import COMPILE_WARMUP_STEPS, check_compilable, compile_seconds
 from effpretrain.config import RunConfig, dump_yaml
 from effpretrain.config.checks import stochastic_rounding
 from effpretrain.determinism import deterministic
@@ -45,6 +44,7 @@ from effpretrain.run_state import EXACTNESS_KEYS, DataPosition, OptionalPart, Pr
 from effpretrain.signals import StopSignals
 from optimizers import writer
 from optimizers._sharded import local as _local
+from optimizers._streams import DeviceTimer
 from optimizers.precision import model_matmuls
 
 __all__ = [
@@ -89,7 +89,6 @@ class Trainer:
         self._set_up_data()
         self._set_up_model_and_optimizer(self._build_model())
         self.progress = Progress()
-        self.opt_seconds = 0.0  # wall time inside optimizer.step() (events included), this process
         self.grad_bytes = 0  # measured per rank after the first step
         self.grad_bytes_source = "every_trainable_parameter"  # what grad_bytes is (`_grad_bytes`)
         self.memory_steps = set(memory_steps(cfg))
@@ -108,6 +107,8 @@ class Trainer:
         from accelerate.utils import set_seed
 
         self.acc = make_accelerator(self.cfg, self.out)
+        # Device time inside optimizer.step() and the in-backward unit steps, this process.
+        self.opt_timer = DeviceTimer(self.acc.device)
         self.launch = choose_launch(self.acc, self.cfg)
         self.rank, self.world, self.is_main = self.launch.rank, self.launch.world, self.launch.is_main
         check_launch(self.world, self.cfg)
@@ -204,6 +205,7 @@ class Trainer:
             list(model.parameters()), self.inner_opt, self.cfg.train, reduce
         )
         self.in_backward.prev_norm = prev
+        self.in_backward.timer = self.opt_timer
 
     def _checkpointer(self, allow_config_change: bool) -> Checkpointer:
         """The run's checkpoints as named parts (`effpretrain.checkpoint.states`)."""
@@ -378,7 +380,7 @@ class Trainer:
                 "peak_memory_bytes": measure.process_peak_bytes(self.acc.device),
                 "optimizer_state_bytes": optimizers.measured_state_bytes(self.inner_opt),
                 **self._telemetry(),
-                "opt/step_s": self.opt_seconds,
+                "opt/step_s": self.opt_timer.seconds(),
             }
         )
 
@@ -446,8 +448,6 @@ class Trainer:
         loss = self._forward_backward()
         gnorm, finite = self.launch.finish_step(self.model, self.in_backward, loss)
         if self.in_backward is not None:
-            self.opt_seconds += self.in_backward.step_seconds
-            self.in_backward.step_seconds = 0.0
             if self.in_backward.skipped:
                 log.warning(
                     "step %d: %d parameters with non-finite gradients were not updated",
@@ -455,9 +455,8 @@ class Trainer:
                     self.in_backward.skipped,
                 )
         if finite:
-            t0 = time.perf_counter()
-            self.opt.step()
-            self.opt_seconds += time.perf_counter() - t0
+            with self.opt_timer:
+                self.opt.step()
             self.sched.step()
         else:
             # Nothing advances on a skipped step: not the schedule, the optimizer, nor the data.
@@ -553,25 +552,34 @@ def due(every: int, step: int, max_steps: int) -> bool:
 
 
 def memory_steps(cfg: RunConfig) -> list[int]:
-    """The steps whose memory a run measures: `train.memory_steps` when set, else steps 1 and 2
-    (the first builds the optimizer state, the second is the first to hold it from the start:
-    the steady state), the first basis refresh after them for a projected method (refreshes fall on steps 1, T + 1, 2T + 1,
-    ... with T = `optim.update_proj_gap`: optimizers/projected_adam.py) and the first restart (the
-    step after whose update it runs: `restarts.every`, counted after the warm start for a kind that
-    merges at restarts, as `optim_setup.wrap_restarts` sets it up); steps past `train.max_steps`
-    are dropped."""
+    """The steps whose memory a run measures: `train.memory_steps` when set (as given), else steps
+    1 and 2 (the first builds the optimizer state, the second is the first to hold it from the
+    start: the steady state), the first basis refresh after them for a projected method (refreshes
+    fall on steps 1, T + 1, 2T + 1, ... with T = `optim.update_proj_gap`:
+    optimizers/projected_adam.py) and the first restart (the step after whose update it runs:
+    `restarts.every`, counted after the warm start for a kind that merges at restarts, as
+    `optim_setup.wrap_restarts` sets it up); steps past `train.max_steps` are dropped.
+
+    With `train.compile` the default steps start after the compilation warm-up
+    (`effpretrain.compile.COMPILE_WARMUP_STEPS`: steps 2 and 3, no default step before them): the
+    first step compiles the blocks, and on CUDA the allocator's peak of that step holds Inductor's
+    and Triton's autotuning buffers. The step that builds the optimizer state is then not
+    measured (the weights, gradients and state it ends with are step 2's); a basis refresh and a
+    restart are measured at their own steps as without compilation."""
     train_cfg = cfg.train
     if train_cfg.memory_steps is not None:
         steps = list(train_cfg.memory_steps)
+        first = 1
     else:
-        steps = [1, 2]
+        first = 1 + (COMPILE_WARMUP_STEPS if train_cfg.compile else 0)
+        steps = [first, first + 1]
         if optimizers.method_spec(cfg.optim.name).projects:
             steps.append(cfg.optim.update_proj_gap + 1)
         if cfg.restarts.every:
             kind = cfg.factor.kind
             merges = kind != "none" and factor_spec(kind).merges_at_restart
             steps.append((cfg.factor.warm_start_steps if merges else 0) + cfg.restarts.every)
-    return sorted({s for s in steps if s <= train_cfg.max_steps})
+    return sorted({s for s in steps if first <= s <= train_cfg.max_steps})
 
 
 def _check_writable_dir(out: Path) -> None:

@@ -17,7 +17,8 @@ from typing import Any, ClassVar
 import torch
 
 from optimizers._owners import DEFAULT_BUCKET_BYTES, OwnerPlaced
-from optimizers._sharded import is_dtensor, whole, write_whole_
+from optimizers._sharded import is_dtensor, local, whole, write_whole_
+from optimizers._streams import legacy_stream, ordered_on
 from optimizers.writer import needs_writer, value_fp32
 
 try:
@@ -122,8 +123,6 @@ class AdamW8bit(OwnerPlaced, bnb.optim.AdamW8bit):
             for p in g["params"]
             if p.grad is not None and not is_dtensor(p) and needs_writer(p)
         ]
-        if not sharded and not rounded:
-            return super().step(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -134,16 +133,16 @@ class AdamW8bit(OwnerPlaced, bnb.optim.AdamW8bit):
             values = {p: (value_fp32(p), p.grad.float()) for p in rounded}
             for p, full in self._step_whole(values).items():
                 write_whole_(p, full)
-            held = [(p, p.grad) for p in rounded]
-            for p in rounded:
-                p.grad = None
-            try:
-                if not sharded:
-                    super().step()
-                    return loss
-            finally:
-                for p, grad in held:
-                    p.grad = grad
+        held = [(p, p.grad) for p in rounded]
+        for p in rounded:
+            p.grad = None
+        try:
+            if not sharded:
+                self._bnb_step()
+                return loss
+        finally:
+            for p, grad in held:
+                p.grad = grad
         owners = self.owner_ranks()
         if owners is None:
             stepped = self._step_whole(
@@ -176,7 +175,7 @@ class AdamW8bit(OwnerPlaced, bnb.optim.AdamW8bit):
                     hidden.append((p, p.grad))
                     p.grad = None
         try:
-            super().step()
+            self._bnb_step()
         finally:
             # Restored even on error: param_groups and state are keyed by the real parameters.
             for p, grad in hidden:
@@ -187,6 +186,63 @@ class AdamW8bit(OwnerPlaced, bnb.optim.AdamW8bit):
                     self.state[p] = self.state.pop(full)
                 full.grad = None
         return {p: full.detach() for _, _, p, full in swaps}
+
+    def _bnb_step(self) -> None:
+        """bitsandbytes' step of every parameter with a gradient, on the stream its kernels use.
+
+        bitsandbytes' own ``Optimizer8bit.step`` calls ``torch.cuda.synchronize()`` after every
+        parameter (``sync_gpu``): a host-device synchronisation per parameter that drains the
+        launch queue. Its kernels launch on the legacy default stream, so what orders them is
+        the stream, not the host: here the whole loop (its state allocation, ``update_step``'s
+        kernels) runs on that stream, ordered both ways with the caller's stream
+        (`optimizers._streams.ordered_on`), and nothing synchronises the host. Paged state is
+        prefetched asynchronously through unified memory, which does need bitsandbytes' own
+        synchronising loop: ``is_paged`` steps through it unchanged.
+        """
+        if self.is_paged:
+            super().step()
+            return
+        if not self.initialized:
+            self.check_overrides()
+            self.to_gpu()
+            self.initialized = True
+        work = [
+            (gi, pi, group, p)
+            for gi, group in enumerate(self.param_groups)
+            for pi, p in enumerate(group["params"])
+            if p.grad is not None
+        ]
+        if not work:
+            return
+        device = local(work[0][3]).device
+        with ordered_on(legacy_stream(device), device, used=[p.grad for *_, p in work]):
+            for gi, pi, group, p in work:
+                if not self.state[p]:
+                    self.init_state(group, p, gi, pi)
+                self.update_step(group, p, gi, pi)
+
+    def load_state_dict(self, state_dict: dict[str, Any], move_to_device: bool = True) -> None:
+        """bitsandbytes' load, then the quantile maps shared again.
+
+        bitsandbytes moves each parameter's ``qmap1``/``qmap2`` to the parameter's device one by
+        one, so after loading a checkpoint read onto the CPU (or saved by DCP, which keys every
+        tensor apart) each 8-bit parameter holds its own copies: 2 x 4 x 256 bytes more per
+        parameter than the one pair the optimizer held before (`shared_state_bytes`). Maps equal
+        in value on the same device become one tensor again (the first loaded), which is also
+        the map that parameters initialised later refer to (``name2qmap``).
+        """
+        super().load_state_dict(state_dict, move_to_device=move_to_device)
+        for key, name in (("qmap1", "dynamic"), ("qmap2", "udynamic")):
+            shared: dict[torch.device, torch.Tensor] = {}
+            for st in self.state.values():
+                qmap = st.get(key) if isinstance(st, dict) else None
+                if not torch.is_tensor(qmap):
+                    continue
+                first = shared.setdefault(qmap.device, qmap)
+                if first is not qmap and torch.equal(first, qmap):
+                    st[key] = first
+            if len(shared) == 1:
+                self.name2qmap[name] = next(iter(shared.values()))
 
     @classmethod
     def state_bytes(cls, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:

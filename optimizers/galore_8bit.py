@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import torch
 
 from optimizers._sharded import is_dtensor, local, row_sharded_like
+from optimizers._streams import legacy_stream, ordered_on
 from optimizers.galore import GaLoreAdamW
 from optimizers.projected_adam import EXP_AVG, EXP_AVG_SQ, STEP, AdamMoments, ProjectedAdam, adam_update
 
@@ -84,10 +85,13 @@ class BlockwiseMoments8bit(AdamMoments):
         """The codes a zero moment quantises to (absmax 0) under the signed and unsigned maps."""
         if device not in self._zeros:
             zero = torch.zeros(BLOCKSIZE, dtype=torch.float32, device=device)
-            self._zeros[device] = tuple(  # type: ignore[assignment]
-                int(self._bnb.quantize_blockwise(zero, code=qmap, blocksize=BLOCKSIZE)[0][0])
-                for qmap in self._maps(device)
-            )
+            maps = self._maps(device)
+            # The quantize runs on the legacy stream (as in `update`); so does the read of its code.
+            with ordered_on(legacy_stream(device), device, used=(zero, *maps)):
+                self._zeros[device] = tuple(  # type: ignore[assignment]
+                    int(self._bnb.quantize_blockwise(zero, code=qmap, blocksize=BLOCKSIZE)[0][0])
+                    for qmap in maps
+                )
         return self._zeros[device]
 
     def adopt_whole(self, state: dict[str, Any], p: torch.Tensor) -> None:
@@ -150,10 +154,15 @@ class BlockwiseMoments8bit(AdamMoments):
         m = self._bnb.dequantize_blockwise(m_q, absmax=a_m.reshape(-1), code=q_signed, blocksize=BLOCKSIZE)
         v = self._bnb.dequantize_blockwise(v_q, absmax=a_v.reshape(-1), code=q_unsigned, blocksize=BLOCKSIZE)
         norm, step_size = adam_update(m, v, x32, state[STEP], group, self.fused)
-        for codes, absmax, val, qmap in ((m_q, a_m, m, q_signed), (v_q, a_v, v, q_unsigned)):
-            q, qs = self._bnb.quantize_blockwise(val, code=qmap, blocksize=BLOCKSIZE)
-            codes.copy_(q)
-            absmax.copy_(qs.absmax.reshape(absmax.shape))
+        # bitsandbytes' quantize launches on the legacy default stream whatever the current one
+        # (optimizers/_streams.py): it runs there, after the moments are written on the current
+        # stream, and so do the copies of its outputs (allocated there); the current stream
+        # waits for them before the next dequantize reads the codes.
+        with ordered_on(legacy_stream(x32.device), x32.device, used=(m, v, m_q, a_m, v_q, a_v)):
+            for codes, absmax, val, qmap in ((m_q, a_m, m, q_signed), (v_q, a_v, v, q_unsigned)):
+                q, qs = self._bnb.quantize_blockwise(val, code=qmap, blocksize=BLOCKSIZE)
+                codes.copy_(q)
+                absmax.copy_(qs.absmax.reshape(absmax.shape))
         return norm.to(x.dtype), step_size
 
     @classmethod

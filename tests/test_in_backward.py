@@ -369,6 +369,33 @@ def test_non_finite_gradient_skips_only_its_parameter():
     assert eng.prev_norm is None  # a non-finite norm never becomes the clipping reference
 
 
+def test_one_host_read_per_step_unit_and_one_for_the_norm(monkeypatch):
+    """Inside a step the engine reads the device (a CUDA host synchronisation) once per step unit,
+    whether its final gradient is finite, and once for the global norm: a (B, A) pair is one read,
+    and the squares are summed on the device, not read one by one (in_backward.py, "On CUDA")."""
+    B, A, c = (torch.nn.Parameter(torch.randn(*s)) for s in ((8, 2), (2, 6), (6,)))
+    opt = torch.optim.SGD([{"params": [B, A], FACTOR_PAIRS_KEY: True}, {"params": [c]}], lr=0.1)
+    eng = InBackward([B, A, c], opt)
+    reads = []
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__"):
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _real=real, _name=name, **kw):
+            reads.append(_name)
+            return _real(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    for _ in range(3):
+        x = torch.randn(3, 8)
+        eng.begin_micro(0, 1)
+        ((x @ B @ A) + c).square().sum().backward()
+        assert len(reads) == 2  # the units' skip decisions: {B, A} and {c}
+        norm = eng.finish()
+        assert len(reads) == 3, reads  # and the norm
+        reads.clear()
+    assert norm > 0 and eng.skipped == 0
+
+
 def test_clip_coefficient_rule():
     assert clip_coefficient(0.0, 5.0) == 1.0 and clip_coefficient(1.0, None) == 1.0
     assert clip_coefficient(1.0, 0.5) == 1.0

@@ -146,6 +146,49 @@ def test_default_memory_steps_follow_the_registries():
     assert memory_steps(load_config(None, over + ["train.memory_steps=[5,2]"])) == [2, 5]
 
 
+def test_compiled_runs_measure_after_the_compiling_step(monkeypatch):
+    """With `train.compile` step 1 compiles the blocks (and on CUDA autotunes Triton's kernels,
+    whose buffers the allocator's peak would count): the default measured steps start at step 2,
+    a restart that falls on step 1 included; `measure_run` takes that step unmeasured first.
+    Explicit steps are measured as given."""
+    from effpretrain.compile import COMPILE_WARMUP_STEPS
+    from effpretrain.memory import measure
+
+    over = _tiny_overrides() + ["train.max_steps=300", "train.compile=true"]
+    assert COMPILE_WARMUP_STEPS == 1
+    assert memory_steps(load_config(ROOT / "recipes/tiny/adamw.yaml", over)) == [2, 3]
+    galore = load_config(ROOT / "recipes/tiny/galore.yaml", over)
+    assert memory_steps(galore) == [2, 3, galore.optim.update_proj_gap + 1]
+    early = load_config(ROOT / "recipes/tiny/lowrank_restarts.yaml", over + ["restarts.every=1"])
+    assert memory_steps(early) == [2, 3]
+    assert memory_steps(load_config(None, over + ["train.memory_steps=[1,2]"])) == [1, 2]
+
+    # measure_run: the compiling step runs first, unmeasured (compilation itself is not the
+    # point here, so the blocks stay eager).
+    monkeypatch.setattr("effpretrain.run_model.compile_blocks", lambda model: None)
+    calls, measured = [], []
+    real = measure.make_train_step
+
+    def counting(*a, **kw):
+        step = real(*a, **kw)
+        return lambda: (calls.append(1), step())[1]
+
+    def spy(run_step, model, opt, step=0, in_backward=None):
+        measured.append((step, len(calls)))
+        run_step()
+        return {"step": step}
+
+    monkeypatch.setattr(measure, "make_train_step", counting)
+    monkeypatch.setattr(measure, "measure_step", spy)
+    cfg = load_config(ROOT / "recipes/tiny/adamw.yaml", _tiny_overrides() + ["train.compile=true"])
+    measure.measure_run(cfg, 512, steps=2)
+    assert measured == [(1, 1), (2, 2)]  # steps 1 and 2 (0-based), each after the step before it ran
+    cfg.train.compile = False
+    measured.clear(), calls.clear()
+    measure.measure_run(cfg, 512, steps=2)
+    assert measured == [(0, 0), (1, 1)]
+
+
 @pytest.mark.run
 @pytest.mark.fast
 def test_trainer_records_measured_steps_only(tmp_path):

@@ -282,7 +282,8 @@ class TrainConfig:
     """Steps whose memory is measured by category (`effpretrain.memory.measure`; metrics.jsonl
     and summary.json `memory_measured`); `null`: steps 1 and 2 (the first with the optimizer
     state alive throughout), the first basis refresh after them (projected methods) and the first
-    restart; `[]`: none. Other steps run without hooks."""
+    restart, with `train.compile` none before step 2 (steps 2 and 3: step 1 compiles, and on CUDA
+    its peak holds the compiler's autotuning buffers); `[]`: none. Other steps run without hooks."""
     max_consecutive_skips: PositiveInt = 5
     """Non-finite steps in a row (skipped) before the run stops."""
     trackers: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)

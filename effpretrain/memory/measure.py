@@ -52,7 +52,10 @@ them again by resizing back (`torch.distributed.fsdp._fully_shard._fsdp_param.fr
 measured step wraps those two functions: a resize to 0 is a release (a tensor autograd saved in it
 stops counting as an activation), a resize back a new allocation.
 
-With `train.compile` the CUDA measurement sees the compiled blocks as they run; tensor accounting
+With `train.compile` the first step compiles the blocks (and on CUDA autotunes Triton's kernels,
+whose buffers the allocator counts): the trainer's default measured steps and `measure_run` start
+after it (`effpretrain.compile.COMPILE_WARMUP_STEPS`).
+The CUDA measurement sees the compiled blocks as they run; tensor accounting
 (CPU) cannot see inside compiled code (it runs below any dispatch mode), so there a measured step
 runs the blocks eagerly (``torch.compiler.set_stance("force_eager")``) and its activations are
 eager's. Weights, gradients and optimizer state are the same either way.
@@ -71,6 +74,7 @@ from typing import Any
 
 import torch
 
+from effpretrain.compile import COMPILE_WARMUP_STEPS
 from effpretrain.in_backward import InBackward
 from effpretrain.memory.accounting import (
     CATEGORIES,
@@ -348,7 +352,10 @@ def measure_run(
     breakdown per step. Each step clips at the run's `train.grad_clip` (0: not at all) with the
     trainer's own norm (`run_model.make_train_step`). Step 0 builds the optimizer state (and a
     projecting method's first basis: a refresh step); from step 1 the state exists before the
-    forward (the steady state). With
+    forward (the steady state). With `train.compile` the first
+    `effpretrain.compile.COMPILE_WARMUP_STEPS` steps run unmeasured before them (they compile
+    the blocks; on CUDA Triton's autotuning buffers would be in their peak), as the trainer's
+    default `train.memory_steps` skip them: the breakdowns are then of steps 1, 2, ... With
     ``train.update_in_backward`` the step runs as the trainer's does (an
     `effpretrain.in_backward.InBackward` steps each parameter inside backward; its hooks are
     removed before returning). Tests and benchmarks compare these with the estimate.
@@ -368,8 +375,11 @@ def measure_run(
     mb = synthetic_batch(cfg, vocab_size, seed, device)
     inb = InBackward.for_run(model.parameters(), opt, cfg.train) if cfg.train.update_in_backward else None
     step = make_train_step(model, opt, cfg, lambda k: mb, in_backward=inb)
+    warmup = COMPILE_WARMUP_STEPS if cfg.train.compile else 0
     try:
-        return [measure_step(step, model, opt, k, in_backward=inb) for k in range(steps)]
+        for _ in range(warmup):
+            step()
+        return [measure_step(step, model, opt, warmup + k, in_backward=inb) for k in range(steps)]
     finally:
         if inb is not None:
             inb.remove()

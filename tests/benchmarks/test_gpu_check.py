@@ -54,6 +54,13 @@ def test_smoke_runs_every_section_on_cpu(tmp_path):
     (step,) = rows["step_7b"]  # at tiny scale in the smoke: the same code as the 7B step
     assert step["case"] == "galore_8bit tiny r8 in backward"
     assert all(step["measured"][c] == step["estimated"][c] for c in gc.EXACT), step
+    # FSDP2 on one process, updates in backward against the same steps without them: bitwise at
+    # fp32 (the CPU has one stream, so this holds whatever the stream ordering; the GPU is the
+    # real check), the loss in bf16; every (method, precision) pair of the section.
+    pairs = rows["in_backward_fsdp2"]
+    assert [r["case"] for r in pairs] == [f"{m} {p}" for m, p in gc.IN_BACKWARD_FSDP2]
+    assert all(r["within_target"] for r in pairs), pairs
+    assert all(r["bitwise_equal"] for r in pairs if r["precision"] == "fp32"), pairs
     timed = [r for r in rows["speed"] if not r["case"].startswith("ratios")]
     assert len(timed) == 2 * len(gc.SPEED_METHODS) and all(r["tokens_per_s"] > 0 for r in timed)
     assert all(r["mfu"] is None for r in timed)  # no peak for a CPU: never a guess

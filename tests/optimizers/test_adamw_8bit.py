@@ -94,6 +94,55 @@ def test_state_bytes_formula_worked_value(dtype):
     assert opt.state[params[0]]["qmap1"] is opt.state[params[1]]["qmap1"]
 
 
+def test_steps_as_bitsandbytes_without_its_per_parameter_synchronisation(monkeypatch):
+    """Our step loop is bitsandbytes' own (the same kernels in the same order: bitwise equal to
+    bnb.optim.AdamW8bit), without the ``sync_gpu`` (torch.cuda.synchronize on CUDA) that
+    bitsandbytes' ``Optimizer8bit.step`` makes after every parameter."""
+    import bitsandbytes as bnb
+    import bitsandbytes.optim.optimizer as bnb_optimizer
+
+    calls = []
+    real = bnb_optimizer.sync_gpu
+    monkeypatch.setattr(bnb_optimizer, "sync_gpu", lambda t: (calls.append(1), real(t)))
+    ours, ref = _params(6), _params(6)
+    run(AdamW8bit(ours, lr=1e-2), ours, 0, 3, **GRADS)
+    assert calls == []
+    run(bnb.optim.AdamW8bit(ref, lr=1e-2), ref, 0, 3, **GRADS)
+    assert len(calls) == 3 * len(ref)  # what bitsandbytes' own loop does
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+
+
+def test_resume_shares_the_quantile_maps_again():
+    """A checkpoint whose parameters hold their own copies of the maps (bitsandbytes' load moves
+    each parameter's maps to the device one by one; DCP keys every tensor apart): after loading,
+    the optimizer holds one pair again, so the measured state equals the estimate (the maps
+    counted once), and a later step and a parameter that starts later refer to that pair."""
+    params = _params(7)
+    opt = AdamW8bit(params[:2], lr=1e-2, min_8bit_size=100)
+    run(opt, params[:2], 0, 2, **GRADS)
+    want = optimizers.measured_state_bytes(opt)
+    sd = opt.state_dict()
+    for st in sd["state"].values():  # each parameter's own copy, as after .to("cuda") per tensor
+        quant = st[AdamW8bit._FSDP_WRAPPED_QUANT_STATE_KEY]
+        quant["qmap1"], quant["qmap2"] = quant["qmap1"].clone(), quant["qmap2"].clone()
+    sd = harness.roundtrip(sd)
+
+    fresh = _params(7)
+    resumed = AdamW8bit([{"params": fresh[:2]}, {"params": fresh[2:], "min_8bit_size": 10}], lr=1e-2)
+    resumed.load_state_dict(
+        {**sd, "param_groups": [*sd["param_groups"], resumed.state_dict()["param_groups"][1]]}
+    )
+    a, b = (resumed.state[p] for p in fresh[:2])
+    assert a["qmap1"] is b["qmap1"] and a["qmap2"] is b["qmap2"]
+    assert optimizers.measured_state_bytes(resumed) == want
+    group = resumed.param_groups[0]
+    estimate = sum(AdamW8bit.state_bytes(tuple(p.shape), group, p.dtype) for p in fresh[:2])
+    assert want == estimate + AdamW8bit.shared_state_bytes(tuple(fresh[0].shape), group, torch.float32)
+    run(resumed, fresh, 2, 3, **GRADS)  # the third parameter's state starts now, 8-bit
+    assert resumed.state[fresh[2]]["qmap1"] is a["qmap1"]
+    assert resumed.state[fresh[0]]["qmap1"] is a["qmap1"]
+
+
 def test_clear_import_error_without_bitsandbytes(monkeypatch):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # makes `import bitsandbytes` fail
     monkeypatch.delitem(sys.modules, "optimizers.adamw_8bit")
