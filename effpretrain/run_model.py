@@ -171,13 +171,15 @@ def make_train_step(
     *,
     sched: Any = None,
     in_backward: Any = None,
+    rounding: Any = None,
 ) -> Callable[[], float]:
     """One optimizer step as a callable: `train.grad_accum` micro-steps on ``batches(k)`` (forward
     with the run's loss, backward of the token-mean loss), the global gradient norm clipped at
     `train.grad_clip` (0: the norm only, as the trainer computes it for its log) by the trainer's
     own `effpretrain.grad_norm.clip_grad_norm_`, the optimizer and schedule steps, ``zero_grad``.
     With `in_backward` (an `effpretrain.in_backward.InBackward`) the parameters step inside
-    backward and the step finishes the engine's update instead of clipping. Returns the step's
+    backward and the step finishes the engine's update instead of clipping. With `rounding` (the
+    run's `optimizers.writer.Rounding`) each call is the next step of its noise. Returns the step's
     loss."""
 
     K = cfg.train.grad_accum
@@ -185,6 +187,8 @@ def make_train_step(
 
     def step() -> float:
         total = 0.0
+        if rounding is not None:
+            rounding.step += 1
         for k in range(K):
             if in_backward is not None:
                 in_backward.begin_micro(k, K)

@@ -34,7 +34,7 @@ import math
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
 _M32 = 0xFFFFFFFF
 _K1, _K2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers
@@ -83,7 +83,7 @@ def _uniform_kernel(device: torch.device) -> Any:
     kind = torch.device(device).type
     if kind not in _compiled:
         try:
-            _compiled[kind] = torch.compile(_uniform_eager, dynamic=True, fullgraph=True)
+            _compiled[kind] = torch.compile(_uniform_eager, dynamic=False, fullgraph=True)
         except Exception:  # no compiler backend: eager is the same function
             _compiled[kind] = _uniform_eager
     return _compiled[kind]
@@ -93,18 +93,44 @@ def uniform(
     key: int, offset: int, shape: tuple[int, ...], device: torch.device | str = "cpu"
 ) -> torch.Tensor:
     """fp32 uniforms on [0, 1) for the elements ``offset, offset + 1, ...`` of a noise stream
-    `key` (`stream_key`), laid out in `shape` (row-major). Eager under a dispatch mode (the memory
-    measurement sees every tensor it makes) and where compilation fails; compiled otherwise."""
+    `key` (`stream_key`), laid out in `shape` (row-major): the compiled kernel, or the eager
+    function where compilation fails (or `USE_COMPILED` is off); the same bits either way."""
     n = math.prod(shape)
+    if not USE_COMPILED:
+        k = torch.tensor(int(key), dtype=torch.int64, device=device)
+        o = torch.tensor(int(offset), dtype=torch.int64, device=device)
+        return _uniform_eager(k, o, n, device).reshape(shape)
+    if _get_current_dispatch_mode() is None:
+        return _uniform_compiled(key, offset, n, device).reshape(shape)
+    # Under a dispatch mode (the memory measurement): the fused kernel runs outside it and its
+    # result is copied into a tensor the mode sees allocated (what the kernel itself allocates).
+    with _disable_current_modes():
+        u = _uniform_compiled(key, offset, n, device)
+    out = torch.empty(shape, dtype=torch.float32, device=device)
+    out.copy_(u.reshape(shape))
+    return out
+
+
+#: The kernel's two block sizes: every call draws whole blocks (a static shape: one compiled graph
+#: per size and device, never a recompilation) and keeps the elements it asked for.
+BLOCKS = (1 << 16, 1 << 20)
+
+
+def _uniform_compiled(key: int, offset: int, n: int, device: torch.device | str) -> torch.Tensor:
+    device = torch.device(device)
+    kernel = _uniform_kernel(device)
+    size = BLOCKS[0] if n <= BLOCKS[0] else BLOCKS[1]
     k = torch.tensor(int(key), dtype=torch.int64, device=device)
-    o = torch.tensor(int(offset), dtype=torch.int64, device=device)
-    if _get_current_dispatch_mode() is not None or not USE_COMPILED:
-        return _uniform_eager(k, o, n, device).reshape(shape)
+    out = []
     try:
-        return _uniform_kernel(device)(k, o, n, device).reshape(shape)
+        with torch.no_grad():
+            for start in range(0, n, size):
+                o = torch.tensor(int(offset) + start, dtype=torch.int64, device=device)
+                out.append(kernel(k, o, size, device)[: min(size, n - start)])
     except Exception:  # a backend that fails at its first call (no C++ compiler): eager from now on
-        _compiled[torch.device(device).type] = _uniform_eager
-        return _uniform_eager(k, o, n, device).reshape(shape)
+        _compiled[device.type] = _uniform_eager
+        return _uniform_eager(k, torch.tensor(int(offset), dtype=torch.int64, device=device), n, device)
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 #: Whether `uniform` may use its compiled kernel (tests compare both paths).

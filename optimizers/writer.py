@@ -48,8 +48,8 @@ __all__ = [
     "written",
 ]
 
-CHUNK = 1 << 22
-"""Elements rounded at a time (bounds the noise and rounding temporaries: ~16 B an element)."""
+CHUNK = 1 << 20
+"""Elements rounded at a time: bounds the noise and rounding temporaries (tens of bytes an element)."""
 
 _ATTR = "_effpretrain_rounding"
 

@@ -75,6 +75,7 @@ from typing import Any
 import torch
 
 from effpretrain.compile import COMPILE_WARMUP_STEPS
+from effpretrain.config.checks import stochastic_rounding
 from effpretrain.in_backward import InBackward
 from effpretrain.memory.accounting import (
     CATEGORIES,
@@ -88,6 +89,7 @@ from effpretrain.memory.estimator import estimate_from_config
 from effpretrain.optim_setup import build_optimizer_and_schedule
 from effpretrain.run_model import build_run_model, make_train_step, place_model, synthetic_batch
 from optimizers._sharded import local as _local
+from optimizers.writer import Rounding, attach
 
 __all__ = [
     "CATEGORIES",
@@ -358,7 +360,8 @@ def measure_run(
     default `train.memory_steps` skip them: the breakdowns are then of steps 1, 2, ... With
     ``train.update_in_backward`` the step runs as the trainer's does (an
     `effpretrain.in_backward.InBackward` steps each parameter inside backward; its hooks are
-    removed before returning). Tests and benchmarks compare these with the estimate.
+    removed before returning). Weights stored in fewer bits round each update as the trainer's
+    do (`optimizers.writer`). Tests and benchmarks compare these with the estimate.
 
     Args:
         cfg: a loaded `effpretrain.config.RunConfig`.
@@ -371,10 +374,12 @@ def measure_run(
     model, _ = build_run_model(cfg, vocab_size)
     planned = estimate_from_config(cfg, vocab_size).detail["checkpointed_layers"]
     model = place_model(model, cfg, device, planned)
+    rounding = Rounding(stochastic_rounding(cfg), seed=cfg.train.seed)  # as the trainer rounds
+    attach(list(enumerate(model.parameters())), rounding)
     opt, _ = build_optimizer_and_schedule(model, cfg)
     mb = synthetic_batch(cfg, vocab_size, seed, device)
     inb = InBackward.for_run(model.parameters(), opt, cfg.train) if cfg.train.update_in_backward else None
-    step = make_train_step(model, opt, cfg, lambda k: mb, in_backward=inb)
+    step = make_train_step(model, opt, cfg, lambda k: mb, in_backward=inb, rounding=rounding)
     warmup = COMPILE_WARMUP_STEPS if cfg.train.compile else 0
     try:
         for _ in range(warmup):
