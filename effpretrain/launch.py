@@ -282,7 +282,14 @@ class FSDP2Launch(Launch):
     sharding = "fsdp2"
 
     def shard(self, model: torch.nn.Module) -> torch.nn.Module:
-
+        # An INT8 weight's codes and scales travel in FSDP2's all-gather as they are, which needs
+        # equal row shards on every rank (FSDP2 pads uneven ones, and its padding is one tensor's).
+        for name, p in quantized_weights(model):
+            if p.shape[0] % self.world:
+                raise ConfigError(
+                    f"train.weight_quant=int8 under FSDP2: {name} has {p.shape[0]} rows, "
+                    f"which do not split evenly over {self.world} processes"
+                )
         return apply_fsdp2(model)
 
     def wrap(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[Any, Any]:

@@ -142,7 +142,7 @@ class Int8Weight(torch.Tensor):
         aten = torch.ops.aten
         if func in (aten.detach.default, aten.alias.default):
             w = args[0]
-            return Int8Weight(w.codes, w.scales, w.group, w.dtype)
+            return _carry(w, Int8Weight(w.codes, w.scales, w.group, w.dtype))
         # Row views and row blocks (FSDP2 shards a weight by rows; a group never straddles two).
         if func is aten.slice.Tensor and _arg(args, kwargs, 1, "dim", 0) == 0:
             w = args[0]
@@ -174,7 +174,7 @@ class Int8Weight(torch.Tensor):
             device, dtype = kwargs.get("device") or w.device, kwargs.get("dtype") or w.dtype
             if dtype.is_floating_point:
                 move = {"device": device, "non_blocking": bool(kwargs.get("non_blocking"))}
-                return Int8Weight(w.codes.to(**move), w.scales.to(**move), w.group, dtype)
+                return _carry(w, Int8Weight(w.codes.to(**move), w.scales.to(**move), w.group, dtype))
         if func is aten.view.default and list(args[1]) == [-1]:
             return _Int8Flat(args[0])  # FSDP2's flat handle of a shard: kept, never computed with
         if func is torch.ops.aten.copy_.default and isinstance(args[1], Int8Weight):
@@ -217,6 +217,15 @@ class Int8Weight(torch.Tensor):
         if out is not None:  # the unsharded weight's codes and scales are these buffers, refilled
             return None
         return Int8Weight(codes, scales, self.group, param_dtype or self.dtype), (codes, scales)
+
+
+def _carry(old: Int8Weight, new: Int8Weight) -> Int8Weight:
+    """`new` with `old`'s other attributes (the writer's rounding plan): `Module.to` swaps a
+    parameter's contents, __dict__ included, with the copy it makes (`torch.utils.swap_tensors`)."""
+    for k, v in old.__dict__.items():
+        if k not in ("codes", "scales", "group"):
+            new.__dict__.setdefault(k, v)
+    return new
 
 
 def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any) -> Any:
