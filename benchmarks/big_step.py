@@ -159,7 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         "estimated_peak_bytes": est.peak,
         "peak_ratio": top["peak"] / est.peak,
         "peak_rss_bytes": peak_rss_bytes(),
-        "measured": [{k: r[k] for k in (*CATEGORIES, "peak", "phase_at_peak")} for r in measured],
+        "measured": [
+            {k: r[k] for k in (*CATEGORIES, "temporaries", "peak", "phase_at_peak", "at_peak") if k in r}
+            for r in measured
+        ],
         "estimated": {
             "weights": est.weights,
             "gradients": est.grads,

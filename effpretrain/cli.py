@@ -280,6 +280,7 @@ def cmd_estimate(args) -> int:
         weight_quant=args.weight_quant,
         weight_quant_group=args.weight_quant_group,
         weight_quant_embeddings=args.weight_quant_embeddings,
+        stochastic_rounding=True if args.stochastic_rounding else None,
     )
     if factor != "none":
         est.detail["method"] = args.method

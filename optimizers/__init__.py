@@ -75,6 +75,18 @@ def _projected_transient(shape: tuple[int, ...], group: dict[str, Any], dtype: t
     return 4 * m * n + 4 * (m * k + k + k * n) + m * n * dtype.itemsize
 
 
+def _random_projected_transient(shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+    """APOLLO and APOLLO-Mini with their random bases (the default): a projected m x n matrix's
+    step holds its update, the gradient scaled channel- or tensor-wise (``m n s``), the projected
+    gradient and Adam's direction on it (``4 r max(m, n)`` each) and the drawn basis
+    (``4 r min(m, n)``), measured; no SVD. Another basis: `_projected_transient`."""
+    if "rank" not in group or len(shape) != 2 or group.get("basis", "random") != "random":
+        return _projected_transient(shape, group, dtype)
+    m, n = shape
+    r = min(int(group["rank"]), m, n)
+    return m * n * dtype.itemsize + 8 * r * max(m, n) + 4 * r * min(m, n)
+
+
 def _dequantised_transient(shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
     """`ProjectedAdam` with 8-bit moments (GaLore 8-bit): the moments dequantised to fp32
     (``2 * 4`` per moment element), the update (``s`` per element) and the re-quantised codes
@@ -389,13 +401,13 @@ METHODS: dict[str, MethodSpec] = {
             name="apollo",
             target="optimizers.apollo:APOLLOAdamW",
             projects=True,
-            step_transient_fn=_projected_transient,
+            step_transient_fn=_random_projected_transient,
         ),
         _spec(
             name="apollo_mini",
             target="optimizers.apollo:APOLLOMini",
             projects=True,
-            step_transient_fn=_projected_transient,
+            step_transient_fn=_random_projected_transient,
         ),
         _spec(
             name="adam_mini",

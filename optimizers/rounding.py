@@ -102,12 +102,11 @@ def uniform(
         return _uniform_eager(k, o, n, device).reshape(shape)
     if _get_current_dispatch_mode() is None:
         return _uniform_compiled(key, offset, n, device).reshape(shape)
-    # Under a dispatch mode (the memory measurement): the fused kernel runs outside it and its
-    # result is copied into a tensor the mode sees allocated (what the kernel itself allocates).
-    with _disable_current_modes():
-        u = _uniform_compiled(key, offset, n, device)
+    # Under a dispatch mode (the memory measurement): the mode sees the result allocated (what the
+    # fused kernel allocates), and the kernel runs outside it, its output copied in unseen.
     out = torch.empty(shape, dtype=torch.float32, device=device)
-    out.copy_(u.reshape(shape))
+    with _disable_current_modes():
+        out.view(-1).copy_(_uniform_compiled(key, offset, n, device))
     return out
 
 
@@ -139,16 +138,18 @@ USE_COMPILED = True
 
 def round_bf16_(out: torch.Tensor, x: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
     """Writes fp32 `x` into bf16 `out`: stochastically with uniforms `u` (same shape), or to
-    nearest for None. Returns `out`."""
+    nearest for None. Returns `out`.
+
+    The fp32 bits b of x, read as a signed 32-bit integer, are sign and magnitude: b + floor(u 2^16)
+    carries into the magnitude exactly (no finite magnitude overflows), and clearing the low 16
+    bits leaves a bf16 value. Non-finite values are written as they are (to nearest)."""
     if u is None:
         return out.copy_(x)
-    bits = x.float().contiguous().view(torch.int32).to(torch.int64)
-    bits = (bits + (u * 65536.0).to(torch.int64)) & ~0xFFFF
-    # Back to int32 (two's complement of the 32-bit pattern), then fp32, exactly a bf16 value.
-    bits = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32)
-    finite = torch.isfinite(x)
-    rounded = torch.where(finite, bits.view(torch.float32), x.float())
-    return out.copy_(rounded)
+    x = x.float().contiguous()
+    r = (u * 65536.0).to(torch.int32)
+    rounded = x.view(torch.int32).add(r).bitwise_and_(-65536).view(torch.float32)
+    del r
+    return out.copy_(torch.where(torch.isfinite(x), rounded, x))
 
 
 def int8_groups(n: int, group: int) -> int:

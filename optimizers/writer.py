@@ -30,7 +30,6 @@ import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -170,8 +169,31 @@ def written(p: torch.Tensor) -> Iterator[torch.Tensor]:
         _store(p, t, w)
 
 
-def transient_bytes(p: Any) -> int:
-    """Bytes `written` holds for `p` while the rule runs: its fp32 value (0 for a plain fp32
-    weight, which the rule updates in place)."""
-    t = _local(p)
-    return 4 * t.numel() if needs_writer(t) else 0
+def transient_bytes(shape: tuple[int, ...], storage: str, stochastic: bool, group: int = 128) -> int:
+    """Bytes `written` holds for one weight of `shape` beyond the weight itself: its fp32 value
+    (4 L, L elements) while the rule runs and while it is stored, plus the storing's temporaries
+    over one chunk of rows (C elements, at most `CHUNK`; P = C rounded up to whole groups):
+
+    - ``fp32``: 0 (the rule updates the weight itself);
+    - ``bf16``: to nearest nothing more; stochastically 15 C (the noise, its integers and the
+      rounded bits, 4 B each, and a finiteness mask);
+    - ``int8``: to nearest 8 P (x / scale and its rounding), stochastically 12 P + 4 C (the noise
+      too), each 4 P more when a row is not whole groups (its padded copy, and the noise's), plus
+      8 B per group of the chunk (absmax and scale).
+    """
+    if storage == "fp32":
+        return 0
+    L = math.prod(shape)
+    n = math.prod(shape[1:]) if len(shape) > 1 else 1
+    rows = max(1, CHUNK // max(1, n))
+    C = min(shape[0] if shape else 1, rows) * n
+    if storage == "bf16":
+        return 4 * L + (15 * C if stochastic else 0)
+    groups = -(-n // group)
+    P = (C // n) * groups * group
+    pad = P != C
+    if stochastic:
+        chunk = (20 if pad else 12) * P + 4 * C
+    else:
+        chunk = (12 if pad else 8) * P
+    return 4 * L + chunk + 8 * (C // n) * groups

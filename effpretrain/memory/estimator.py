@@ -11,6 +11,7 @@ from typing import Any
 
 import optimizers
 from effpretrain.config import ATTN_MLP_TARGETS, OptimConfig
+from effpretrain.config.checks import stochastic_rounding
 from effpretrain.errors import ConfigError
 from effpretrain.loss import DEFAULT_CHUNK_TOKENS
 from effpretrain.memory.activations import (
@@ -237,6 +238,9 @@ class EstimateOptions:
     weight_quant_group: int = 128
     weight_quant_embeddings: bool = False
     """``train.weight_quant_embeddings``: the input embedding and the head stored in INT8 too."""
+    stochastic_rounding: bool | None = None
+    """``train.stochastic_rounding`` resolved (None: on exactly for INT8 weights): the writer's
+    noise is part of a rounded weight's step temporaries."""
 
 
 def estimate(preset: str | ModelShape, method: str = "adamw", **options: Any) -> Estimate:
@@ -298,6 +302,7 @@ def _param_tally(
     t = _Tally(mspec, prec.params, shard)
     t.int8_group = o.weight_quant_group if o.weight_quant == "int8" else 0
     t.int8_embeddings = t.int8_group > 0 and o.weight_quant_embeddings
+    t.stochastic = o.weight_quant == "int8" if o.stochastic_rounding is None else bool(o.stochastic_rounding)
     t.low_rank_acc = shard == 1 and o.grad_clip <= 0
     t.refresh_ahead = t.low_rank_acc and o.in_backward_refresh == "first_micro"
     _tally_params(
@@ -436,6 +441,7 @@ def _estimate_config(
         weight_quant=cfg.train.weight_quant,
         weight_quant_group=cfg.train.weight_quant_group,
         weight_quant_embeddings=cfg.train.weight_quant_embeddings,
+        stochastic_rounding=stochastic_rounding(cfg),
     )
 
 

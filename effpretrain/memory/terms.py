@@ -16,6 +16,7 @@ from effpretrain.models.factorized import FactorSpec
 from effpretrain.models.llama import ModelShape, build_llama_config, model_class
 from effpretrain.optim_setup import HEAD_TARGETS
 from optimizers.rounding import int8_nbytes
+from optimizers.writer import transient_bytes as writer_transient_bytes
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,8 @@ class _Tally:
     int8_group: int = 0  # INT8 target weights' group size (0: none); `quant` marks the tensor being tallied
     quant: bool = False
     int8_embeddings: bool = False
+    stochastic: bool = False  # updates rounded stochastically into weights stored in fewer bits
+    rounded_transient: int = 0  # the largest writer step (`optimizers.writer`): one tensor at a time
     low_rank_acc: bool = False  # low-rank accumulators allowed (one shard, clipping off)
     refresh_ahead: bool = False  # and kept low rank at a refresh (the first micro-batch's basis)
 
@@ -164,6 +167,15 @@ class _Tally:
                 )
         mine = shape if whole else self.mine(shape)
         step = self.method.step_transient_bytes(mine, group, self.dtype)
+        rounded = self.writer_bytes(mine)
+        if rounded:
+            # Written through the writer (`optimizers.writer.written`), one tensor at a time: its
+            # fp32 value and the rounding's temporaries beside the rule's own (a per-tensor rule's
+            # even for a method whose plain weights step together, torch's foreach AdamW).
+            step = self.method.step_transient_bytes(mine, {**group, "foreach": False}, self.dtype)
+            if self.method.foreach:
+                step = 2 * math.prod(mine) * self.dtype.itemsize  # torch's single-tensor path
+            step += rounded
         if whole and self.shard > 1:
             # Stepped whole on the owner: the gathered W and G, and while gathering the receive
             # buffer of the same size (freed before the step's own temporaries).
@@ -171,6 +183,9 @@ class _Tally:
             step = max(step + 2 * full, 4 * full)
         if owned:  # on its owner rank only
             self.owned[-1] = (*self.owned[-1][:3], step)
+        elif rounded:
+            self.rounded_transient = max(self.rounded_transient, step)
+            self.local_unit_transient = max(self.local_unit_transient, step)
         else:
             self.local_step(step)
 
@@ -204,6 +219,8 @@ class _Tally:
         optimizers do) and sets ``state`` to the largest rank's total, ``state_ranks`` to each's,
         and likewise the step temporaries (a whole-stepped matrix's on its owner)."""
         owners = optimizers.assign_owners([(c, s) for c, s, _, _ in self.owned], self.shard)
+        # Rounded weights step after the others (`optimizers.adamw`), one at a time.
+        self.local_transient = max(self.local_transient, self.rounded_transient)
         self.transient_ranks = [self.local_transient] * len(self.state_ranks)
         self.unit_transient_ranks = [self.local_unit_transient] * len(self.state_ranks)
         for (_, state, shared, step), r in zip(self.owned, owners):
@@ -214,6 +231,17 @@ class _Tally:
         self.state_ranks = [a + b for a, b in zip(self.state_ranks, self.shared_ranks)]
         self.state = max(self.state_ranks)
         self.transient, self.unit_transient = max(self.transient_ranks), max(self.unit_transient_ranks)
+
+    def writer_bytes(self, shape: tuple[int, ...]) -> int:
+        """The writer's bytes for the tensor being tallied (`optimizers.writer.transient_bytes`):
+        INT8 codes, bf16 or fp16 weights round through it; fp32 ones do not."""
+        if self.quant and len(shape) == 2:
+            storage = "int8"
+        elif self.dtype in (torch.bfloat16, torch.float16):
+            storage = "bf16"
+        else:
+            return 0
+        return writer_transient_bytes(tuple(shape), storage, self.stochastic, self.int8_group or 128)
 
     def weight_bytes(self, shape: tuple[int, ...]) -> int:
         """Bytes a weight of `shape` is stored in: the dtype's, or INT8 codes and scales for a
