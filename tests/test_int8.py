@@ -300,3 +300,27 @@ def test_the_trainer_rounds_every_int8_weight_stochastically_at_its_step(tmp_pat
     assert plans and all(found is not None and found[0].stochastic and found[1] == i for found, i in plans)
     tr.fit()
     assert plans[0][0][0].step == 1
+
+
+@pytest.mark.parametrize("shape", [(64, 256), (300, 5000), (9000, 200), (5, 7)], ids=str)
+@pytest.mark.parametrize("storage", ["int8", "bf16"])
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+def test_the_writers_bytes_are_what_it_holds(shape, storage, stochastic):
+    """`optimizers.writer.transient_bytes`, which the estimator adds to a rounded weight's step,
+    is exactly the peak of what `written` allocates (the project's tensor accounting): rows whole
+    groups or padded, one chunk or several, to nearest or stochastically."""
+    import importlib
+
+    from optimizers.writer import transient_bytes
+
+    accounting = importlib.import_module("effpretrain.memory.accounting").accounting
+    torch.manual_seed(0)
+    x = torch.randn(*shape)
+    p = torch.nn.Parameter(
+        Int8Weight.quantize(x, 128) if storage == "int8" else x.to(torch.bfloat16), requires_grad=True
+    )
+    attach([(0, p)], Rounding(stochastic, step=1))
+    with accounting(p) as log:
+        with torch.no_grad(), written(p) as value:
+            value.add_(1e-3)
+    assert log.replay(include_existing=False)[0] == transient_bytes(shape, storage, stochastic)

@@ -117,6 +117,16 @@ def peak_moments(
     for m in out.values():
         m["fsdp_gather"] = dist.gather + dist.head  # the loss reads the gathered head
     out["block_backward"] = _worst_block_backward(t, acts, checkpointed, dist, base, held, in_backward)
+    if in_backward is not None and t.edge_transient:
+        # The head steps as its gradient is final, when the backward starts (every block's saved
+        # tensors still held, the loss's released); the embedding as it ends (less held then).
+        out["edge_step"] = {
+            **base,
+            "grads": held + in_backward.in_flight,
+            "activations": acts.total - acts.loss.saved,
+            "optimizer_transient": t.edge_transient,
+            "fsdp_gather": dist.gather + dist.head,
+        }
     stepped = in_backward is not None  # every unit has stepped and freed its gradient
     out["optimizer_step"] = {
         **base,

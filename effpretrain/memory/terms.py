@@ -118,6 +118,9 @@ class _Tally:
     quant: bool = False
     int8_embeddings: bool = False
     stochastic: bool = False  # updates rounded stochastically into weights stored in fewer bits
+    # In backward, the largest step unit's temporaries among the embedding, final norm and head
+    # (stepped as the backward starts or ends, not beside a decoder block's): `edge_transient`.
+    edge_transient: int = 0
     rounded_transient: int = 0  # the largest writer step (`optimizers.writer`): one tensor at a time
     low_rank_acc: bool = False  # low-rank accumulators allowed (one shard, clipping off)
     refresh_ahead: bool = False  # and kept low rank at a refresh (the first micro-batch's basis)
@@ -185,7 +188,7 @@ class _Tally:
             self.owned[-1] = (*self.owned[-1][:3], step)
         elif rounded:
             self.rounded_transient = max(self.rounded_transient, step)
-            self.local_unit_transient = max(self.local_unit_transient, step)
+            self._unit_step(step)
         else:
             self.local_step(step)
 
@@ -193,7 +196,15 @@ class _Tally:
         """A step's temporaries that every rank has (a shard's step, or an unsharded run's)."""
         f = self.method.foreach
         self.local_transient = self.local_transient + step if f else max(self.local_transient, step)
-        self.local_unit_transient = max(self.local_unit_transient, step)
+        self._unit_step(step)
+
+    def _unit_step(self, step: int) -> None:
+        """In backward, one unit's step: beside a decoder block's backward, or, for the embedding,
+        final norm and head (no decoder layer), at the backward's start or end."""
+        if self.unit is None:
+            self.edge_transient = max(self.edge_transient, step)
+        else:
+            self.local_unit_transient = max(self.local_unit_transient, step)
 
     def _in_backward_terms(self, shape: tuple[int, ...], group: dict[str, Any]) -> None:
         """One trainable tensor's in-backward terms: its accumulator (low rank between refreshes
