@@ -20,7 +20,9 @@ from effpretrain.checkpoint import load_checkpoint, load_model_weights, read_mod
 from effpretrain.config import from_dict, validate
 from effpretrain.errors import ConfigError
 from effpretrain.models import factor_spec, merge_factorized_
-from effpretrain.run_model import build_run_model
+from effpretrain.models.quantize import CODES_SUFFIX, SCALE_SUFFIX
+from effpretrain.run_model import build_hf_config, build_run_model
+from optimizers.rounding import dequantize_int8
 
 log = logging.getLogger("effpretrain")
 
@@ -89,10 +91,6 @@ def _export_streaming(path: Path, cfg, out: Path) -> Path:
 
     from safetensors import safe_open
     from safetensors.torch import save_file
-
-    from effpretrain.models.quantize import CODES_SUFFIX, SCALE_SUFFIX
-    from effpretrain.run_model import build_hf_config
-    from optimizers.rounding import dequantize_int8
 
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"export: --out {out} exists and is not empty")

@@ -20,7 +20,7 @@ from effpretrain.loss import token_loss_sum
 from effpretrain.models import FACTOR_KINDS, apply_factorization, build_model, set_activation_checkpointing
 from effpretrain.models.factorized import begin_warm_start_
 from effpretrain.models.llama import build_llama_config, load_hf_config, model_shape
-from effpretrain.models.quantize import quantize_weights_
+from effpretrain.models.quantize import quantize_linear_, quantize_weights_
 
 
 def build_run_model(cfg: RunConfig, vocab_size: int) -> tuple[torch.nn.Module, dict[str, Any] | None]:
@@ -90,8 +90,6 @@ def _quantize_unit(cfg: RunConfig, cast: Any, name: str, unit: torch.nn.Module) 
     if not edge:
         quantize_weights_(unit, cfg.optim.targets, cfg.train.weight_quant_group)
     elif cfg.train.weight_quant_embeddings and not model_shape(cfg.model).tied:
-        from effpretrain.models.quantize import quantize_linear_
-
         quantize_linear_(unit, cfg.train.weight_quant_group)
 
 

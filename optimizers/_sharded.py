@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from optimizers.writer import written
+
 _CHUNK = 1 << 22
 """Entries per fp64 partial sum: bounds the transient fp64 copy to 32 MiB."""
 
@@ -127,8 +129,6 @@ def write_whole_(t: torch.Tensor, new: torch.Tensor) -> None:
     """t <- new, where `new` is the whole tensor, identical on every rank; a DTensor `t` keeps only
     its own shard of it (no communication). Written through `optimizers.writer.written`: one
     rounding of `new` (fp32, or `t`'s dtype) into a weight stored in fewer bits."""
-    from optimizers.writer import written
-
     if hasattr(t, "device_mesh"):
         from torch.distributed.tensor import distribute_tensor
 

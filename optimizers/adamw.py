@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.optim.adam import adam
 
 from optimizers._adam import adamw_step_
 from optimizers._sharded import local
@@ -31,30 +32,53 @@ class AdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        rounded = [
-            [p for p in g["params"] if p.grad is not None and needs_writer(p)] for g in self.param_groups
-        ]
-        if not any(rounded):
-            return super().step(closure)
+        """torch.optim.AdamW's step (its own group set-up and functional kernel, as configured)
+        for the fp32 weights of each group, then the rounded ones one at a time. Written out
+        rather than through ``super().step()``, which would run the step hooks a second time."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        kept = [g["params"] for g in self.param_groups]
-        try:  # torch steps every other parameter itself
-            for g, r in zip(self.param_groups, rounded):
-                ids = {id(p) for p in r}
-                g["params"] = [p for p in g["params"] if id(p) not in ids]
-            super().step()
-        finally:
-            for g, params in zip(self.param_groups, kept):
-                g["params"] = params
-        for g, r in zip(self.param_groups, rounded):
-            if r and (g.get("amsgrad") or g.get("maximize")):
+        for group in self.param_groups:
+            rounded = [p for p in group["params"] if p.grad is not None and needs_writer(p)]
+            if rounded and (group.get("amsgrad") or group.get("maximize")):
                 raise ValueError("AdamW: amsgrad and maximize are not supported for weights that round")
-            for p in r:
-                self._rounded_step(p, g)
+            ids = {id(p) for p in rounded}
+            self._torch_step({**group, "params": [p for p in group["params"] if id(p) not in ids]})
+            for p in rounded:
+                self._rounded_step(p, group)
         return loss
+
+    def _torch_step(self, group: dict[str, Any]) -> None:
+        """torch.optim.Adam's step body for one group (AdamW's decoupled weight decay)."""
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+        has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        adam(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            max_exp_avg_sqs,
+            steps,
+            amsgrad=group["amsgrad"],
+            has_complex=has_complex,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+            foreach=group["foreach"],
+            capturable=group["capturable"],
+            differentiable=group["differentiable"],
+            fused=group["fused"],
+            grad_scale=getattr(self, "grad_scale", None),
+            found_inf=getattr(self, "found_inf", None),
+            decoupled_weight_decay=group["decoupled_weight_decay"],
+        )
 
     def _rounded_step(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         state = self.state[p]

@@ -445,7 +445,7 @@ class ProjectedAdam(OwnerPlaced, torch.optim.Optimizer):
         with written(p) as w:
             _decay(w, group, before=True)
             if isinstance(update, tuple):
-                w.addmm_(update[0], update[1], alpha=-step_size * alpha)
+                w.addmm_(update[0].to(w.dtype), update[1].to(w.dtype), alpha=-step_size * alpha)
             else:
                 w.add_(update, alpha=-step_size * alpha)
             _decay(w, group, before=False)

@@ -106,11 +106,8 @@ def _row_offset(p: torch.Tensor) -> int:
     split as torch.chunk splits them)."""
     if not hasattr(p, "device_mesh"):
         return 0
-    from optimizers._owners import shard_rows
-
-    mesh = p.device_mesh
-    rows = shard_rows(p.shape[0], mesh.size())
-    return sum(rows[: mesh.get_local_rank()])
+    c = -(-p.shape[0] // p.device_mesh.size())  # torch.chunk's rows: c each, the last ones fewer
+    return min(p.shape[0], c * p.device_mesh.get_local_rank())
 
 
 def _noise(p: torch.Tensor, t: torch.Tensor, start_row: int, rows: int) -> torch.Tensor | None:

@@ -137,6 +137,9 @@ def peak_moments(
     if dist.grads_in_buckets:
         for m in out.values():
             m["grads"] = 0
+    if in_backward is not None:  # each unit's fp64 squared norm, held until the next step begins
+        for m in out.values():
+            m["grad_norm_squares"] = 8 * t.tensors
     return out
 
 
@@ -530,6 +533,7 @@ def _in_backward_detail(t: _Tally, ib: InBackwardTerms, moments: dict[str, dict[
         "grad_accumulators_at_refresh": ib.accumulators_at_refresh,
         "grads_in_flight": ib.in_flight,
         "grads_at_refresh": ib.grads_at_refresh,
-        "in_backward_step_transient": ib.step_transient,
+        # The largest step unit's temporaries, a decoder layer's or the embedding's or head's.
+        "in_backward_step_transient": max(ib.step_transient, t.edge_transient),
         "peak_between_refreshes": _peak(steady)[0],
     }

@@ -121,6 +121,7 @@ class _Tally:
     # In backward, the largest step unit's temporaries among the embedding, final norm and head
     # (stepped as the backward starts or ends, not beside a decoder block's): `edge_transient`.
     edge_transient: int = 0
+    tensors: int = 0  # trainable tensors (in backward, each holds its fp64 squared norm: 8 B)
     rounded_transient: int = 0  # the largest writer step (`optimizers.writer`): one tensor at a time
     low_rank_acc: bool = False  # low-rank accumulators allowed (one shard, clipping off)
     refresh_ahead: bool = False  # and kept low rank at a refresh (the first micro-batch's basis)
@@ -143,6 +144,7 @@ class _Tally:
         projected tensor's state (`group` given) and a whole-state method's are whole: on every
         rank without sharding, on one owner rank under FSDP2 (`finish` places them)."""
         self.stored_weight(shape)
+        self.tensors += 1
         self.grads += self.stored(shape)
         self._in_backward_terms(shape, group or {})
         if self.unit is not None:

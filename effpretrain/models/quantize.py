@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 
+from effpretrain.models.factorized import FactorizedLinear
 from optimizers import rounding
+from optimizers._sharded import row_sharded_like
 from optimizers.int8 import Int8Weight
 
 __all__ = [
@@ -47,8 +49,6 @@ def _state_dict_hook(module: torch.nn.Module, state: dict, prefix: str, local_me
         state[prefix + "weight"] = w
         return
     if hasattr(w, "to_local"):  # an FSDP2 DTensor of an Int8Weight shard: sharded by rows like it
-        from optimizers._sharded import row_sharded_like
-
         m, n = w.shape
         state[prefix + CODES_SUFFIX] = row_sharded_like(w, inner.codes, (m, n))
         state[prefix + SCALE_SUFFIX] = row_sharded_like(w, inner.scales, (m, inner.scales.shape[1]))
@@ -113,8 +113,6 @@ def quantize_weights_(
     """Quantizes the weight of every plain `torch.nn.Linear` of `model` whose attribute name is
     in `targets` (and, with `where`, whose module name it accepts), and with `embeddings` the
     input embedding and the head (one weight when they are tied); returns how many."""
-    from effpretrain.models.factorized import FactorizedLinear
-
     targets, n = set(targets), 0
     edges, tied = set(), False
     if embeddings:
