@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import torch
+
 from optimizers import moments_4bit
 from optimizers._adam import AdamMoments
 from optimizers.moments_4bit import Moments4bit
@@ -59,6 +61,19 @@ class AdamW4bit(ProjectedAdam):
     RESET_KEYS: ClassVar[tuple[str, ...]] = moments_4bit.RESET_KEYS
     """A momentum reset zeroes the codes and every scale, so that the moments read exactly 0."""
     MOMENTS: ClassVar[type[AdamMoments]] = Moments4bit
+
+    @classmethod
+    def state_bytes(cls, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+        """Exact bytes of one parameter's state after >= 1 step, with L = prod(shape) and the
+        parameter read as a x b (a = shape[0]); `group` keys missing take the defaults:
+
+            L >= min_4bit_size, rank-1 V (>= 2 dimensions):  2 ceil(L / 2) + 4 ceil(L / 128) + 4 (a + b)
+            L >= min_4bit_size, block-wise V (or a vector):  2 ceil(L / 2) + 8 ceil(L / 128)
+            L <  min_4bit_size:                              8 L
+
+        (`Moments4bit.nbytes`; ``step`` is a python int; the maps are constants, no shared state).
+        """
+        return super().state_bytes(shape, group, dtype)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's add_param_group with `ProjectedAdam`'s defaults, then the 4-bit keys checked."""

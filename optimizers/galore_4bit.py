@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import torch
+
 from optimizers import moments_4bit
 from optimizers._adam import AdamMoments
 from optimizers.galore import GaLoreAdamW
@@ -57,6 +59,19 @@ class GaLoreAdamW4bit(GaLoreAdamW):
     """A momentum reset zeroes the codes and every scale, so that the moments read exactly 0; the
     basis and its refresh schedule are kept (`optimizers.momentum_reset`)."""
     MOMENTS: ClassVar[type[AdamMoments]] = Moments4bit
+
+    @classmethod
+    def state_bytes(cls, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+        """Exact bytes of one parameter's state after >= 1 step: `ProjectedAdam.state_bytes` with
+        the moments' term of `Moments4bit.nbytes` on the moment shape a x b (the low-rank shape of a
+        projected matrix, the parameter's own otherwise), L = a b, s the itemsize, B the basis
+        entries (0 unprojected or for the "random" basis):
+
+            L >= min_4bit_size, rank-1 V:      2 ceil(L / 2) + 4 ceil(L / 128) + 4 (a + b) + s B
+            L >= min_4bit_size, block-wise V:  2 ceil(L / 2) + 8 ceil(L / 128) + s B
+            L <  min_4bit_size:                8 L + s B
+        """
+        return super().state_bytes(shape, group, dtype)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """`ProjectedAdam.add_param_group`, then the 4-bit keys checked."""
