@@ -15,6 +15,7 @@ from harness import ADAMW_SETTINGS, Case, Reduction, Variant, make_params, round
 from reference_4bit import DE_MAP, LINEAR_MAP, PaperAdamW4bit, fake_blockwise, fake_rank1
 
 import optimizers
+from optimizers import moments_4bit
 from optimizers.adamw_4bit import AdamW4bit
 from optimizers.moments_4bit import (
     SIGNED_DE_MAP,
@@ -69,10 +70,19 @@ def test_pack_puts_two_codes_in_a_byte_high_nibble_first(numel: int) -> None:
     assert torch.equal(unpack(packed, numel), codes.int())
 
 
+#: The codec's chunk (`moments_4bit.CHUNK`) as shipped, and small enough that the tensors below
+#: span several chunks, the last one partial (and, for rank-1 scales, one row per chunk).
+CHUNKS = [moments_4bit.CHUNK, 256]
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize("shape", [(33, 130), (5001,), (128, 64)])
-def test_blockwise_codec_reads_as_the_papers_quantizer(shape: tuple[int, ...]) -> None:
+def test_blockwise_codec_reads_as_the_papers_quantizer(
+    shape: tuple[int, ...], chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Block-wise quantize and dequantize read every entry as Li et al.'s nearest rounding does
     (the fp32 maps differ by at most one rounding of their decimals); a zero block reads 0."""
+    monkeypatch.setattr(moments_4bit, "CHUNK", chunk)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(shape, generator=gen) * torch.logspace(-6, 0, shape[-1])
     x.view(-1)[128:256] = 0.0  # the second block is zero
@@ -86,9 +96,13 @@ def test_blockwise_codec_reads_as_the_papers_quantizer(shape: tuple[int, ...]) -
         assert not got.view(-1)[128:256].any()
 
 
-def test_rank1_codec_reads_as_the_papers_quantizer_and_never_reads_zero() -> None:
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_rank1_codec_reads_as_the_papers_quantizer_and_never_reads_zero(
+    chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Rank-1 normalised V reads as the paper's min(row max, column max) scaling rounded to the
     linear map; a nonzero V never reads 0 (the map has no zero), a zero row does."""
+    monkeypatch.setattr(moments_4bit, "CHUNK", chunk)
     gen = torch.Generator().manual_seed(2)
     v = (torch.randn(33, 130, generator=gen) * torch.logspace(-4, 0, 130)).square()
     v[5] = 0.0
