@@ -308,3 +308,21 @@ def test_100_tiny_steps_end_within_2_percent_of_the_paper_quantizer(scheme, tmp_
     assert abs(ours["final_val_loss"] - ref["final_val_loss"]) <= 0.02 * ref["final_val_loss"]
     assert ours["optimizer_state_bytes"] == ours["estimated"]["optimizer_state"]
     assert ours["optimizer_state_bytes"] < 0.3 * ref["optimizer_state_bytes"]
+
+
+def test_estimator_counts_the_scheme_set_in_optim_extra() -> None:
+    """``optim.extra: {quant_scheme: blockwise}`` reaches every group the estimator counts, as it
+    reaches the optimizer's groups (its constructor defaults): the tiny model's state is the sum of
+    the block-wise formula, not the rank-1 default's."""
+    from effpretrain.config import OptimConfig
+    from effpretrain.memory import estimate, model_param_shapes
+
+    def total(**extra) -> int:
+        cfg = OptimConfig(name="adamw_4bit", extra=extra)
+        return estimate("tiny", "adamw_4bit", dtype="fp32", optim_cfg=cfg).optimizer_state
+
+    shapes = [s.shape for s in model_param_shapes("tiny")]
+    for scheme in ("rank1", "blockwise"):
+        want = sum(AdamW4bit.state_bytes(shape, {"quant_scheme": scheme}, torch.float32) for shape in shapes)
+        assert total(quant_scheme=scheme) == want
+    assert total(quant_scheme="blockwise") != total()
