@@ -288,7 +288,8 @@ def _param_tally(
     optim_cfg = o.optim_cfg or OptimConfig(name=method)
     mspec = optimizers.method_spec(method)
     shard = o.world_size if o.sharding == "fsdp2" else 1
-    t = _Tally(mspec, prec.params, shard)
+    extra = {k: v for k, v in optim_cfg.extra.items() if k not in optimizers.PROJECTION_GROUP_EXTRAS}
+    t = _Tally(mspec, prec.params, shard, options=extra)
     t.low_rank_acc = shard == 1 and o.grad_clip <= 0
     t.refresh_ahead = t.low_rank_acc and o.in_backward_refresh == "first_micro"
     _tally_params(
