@@ -90,6 +90,7 @@ def _worker(rank: int, world: int, port: int, methods: list[str], steps: int, ou
                 log(f"  {name} {path} N={world}: {json.dumps(rows[-1])}")
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
+    dist.barrier()  # rank 0 writes the rows alone: no rank tears gloo down while another works
     dist.destroy_process_group()
 
 

@@ -21,7 +21,7 @@ llama_20m's estimated peak with either loss, at its recipe shape and at 8,192 to
 32,000.
 
 Writes ``benchmarks/results/memory.json`` (commit, machine, torch, date, rows) and prints the table;
-progress goes to stderr. About 3 CPU-minutes (30 runs, the loss section included).
+progress goes to stderr. About 3 CPU-minutes (32 runs, the loss section included).
 
     python benchmarks/memory.py [--only grid|loss] [--recipes adamw galore ...] [--out PATH]
 """

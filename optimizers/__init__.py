@@ -98,6 +98,23 @@ def _dequantised_transient(shape: tuple[int, ...], group: dict[str, Any], dtype:
     return (10 + dtype.itemsize) * math.prod(shape)
 
 
+def _quantised_4bit_transient(shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
+    """The 4-bit methods (`Moments4bit`, optimizers/moments_4bit.py): the moments' update on L
+    entries (`Moments4bit.step_transient_bytes`: dequantised M, V and N in fp32, 12 L, plus x's
+    fp32 copy or one chunk's int32 codes), L = ``numel`` for an unprojected tensor; for a projected
+    matrix, L = ``k max(m, n)`` with R itself (``s L``), whose refresh adds `_projected_transient`."""
+    from optimizers.moments_4bit import Moments4bit
+
+    if "rank" in group and len(shape) == 2:
+        elements = min(group["rank"], *shape) * max(shape)
+        return (
+            dtype.itemsize * elements
+            + Moments4bit.step_transient_bytes(elements, dtype, group)
+            + _projected_transient(shape, group, dtype)
+        )
+    return Moments4bit.step_transient_bytes(math.prod(shape), dtype, group)
+
+
 def _clipped_update_transient(shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
     """Stable-SPAM: its adaptive clipping and norm scaling each make a full-size copy of the
     gradient before the Adam update's own temporary: ``3 numel s`` (measured)."""
@@ -363,6 +380,11 @@ METHODS: dict[str, MethodSpec] = {
             step_transient_fn=_fused_transient,
         ),
         _spec(
+            name="adamw_4bit",
+            target="optimizers.adamw_4bit:AdamW4bit",
+            step_transient_fn=_quantised_4bit_transient,
+        ),
+        _spec(
             name="stable_spam",
             target="optimizers.stable_spam:StableSPAM",
             needs_total_steps=True,
@@ -390,6 +412,12 @@ METHODS: dict[str, MethodSpec] = {
             target="optimizers.galore_8bit:GaLoreAdamW8bit",
             projects=True,
             step_transient_fn=_dequantised_transient,
+        ),
+        _spec(
+            name="galore_4bit",
+            target="optimizers.galore_4bit:GaLoreAdamW4bit",
+            projects=True,
+            step_transient_fn=_quantised_4bit_transient,
         ),
         _spec(
             name="fira",

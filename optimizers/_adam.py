@@ -212,8 +212,11 @@ class AdamMoments:
         )
 
     @classmethod
-    def nbytes(cls, numel: int, dtype: torch.dtype, group: dict[str, Any]) -> int:
-        """Bytes of M and V holding `numel` entries each: 2 numel s (s = itemsize)."""
+    def nbytes(
+        cls, numel: int, dtype: torch.dtype, group: dict[str, Any], shape: tuple[int, ...] | None = None
+    ) -> int:
+        """Bytes of M and V holding `numel` entries each: 2 numel s (s = itemsize). `shape`, the
+        moments' shape, is for storage whose scales follow it (4-bit rank-1 V)."""
         return 2 * numel * dtype.itemsize
 
 

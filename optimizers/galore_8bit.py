@@ -166,7 +166,9 @@ class BlockwiseMoments8bit(AdamMoments):
         return norm.to(x.dtype), step_size
 
     @classmethod
-    def nbytes(cls, numel: int, dtype: torch.dtype, group: dict[str, Any]) -> int:
+    def nbytes(
+        cls, numel: int, dtype: torch.dtype, group: dict[str, Any], shape: tuple[int, ...] | None = None
+    ) -> int:
         """2 L + 8 ceil(L / 256) for 8-bit moments (uint8 + fp32 absmax), 8 L when L < min_8bit_size."""
         if not cls._is_8bit(numel, group):
             return 2 * numel * torch.float32.itemsize

@@ -44,8 +44,8 @@ What a method supplies (GaLore, Fira and APOLLO are each one file of this):
   another key's value when missing: Fira's ``alpha`` <- ``scale``), ``CHOICES`` (allowed values per
   key), ``FIXED_RANK`` (APOLLO-Mini's 1), ``EXTRA_STATE`` (0-d state tensors by key and dtype).
 * Moment storage, ``MOMENTS``: an `AdamMoments` class (init / update / nbytes). The default keeps
-  M and V in the parameter dtype and advances them with `adam_update`; GaLore-8bit swaps in
-  block-quantised storage.
+  M and V in the parameter dtype and advances them with `adam_update`; GaLore-8bit and the 4-bit
+  methods (optimizers/moments_4bit.py) swap in quantised storage.
 * Basis policy: `ComputedBasis` (the SVD family and the identity: recomputed from G when due and
   stored) or, for ``basis="random"``, a `SeededRandomBasis` from ``RANDOM_STREAMS`` (regenerated
   from integers every step, never stored; APOLLO adds apollo-torch's seed chain).
@@ -542,12 +542,12 @@ class ProjectedAdam(OwnerPlaced, torch.optim.Optimizer):
         g = cls.resolve_group(group)
         shape = tuple(shape)
         if not g["project"]:
-            return cls.MOMENTS.nbytes(math.prod(shape), dtype, g)
+            return cls.MOMENTS.nbytes(math.prod(shape), dtype, g, shape=shape)
         side = proj.choose_side(shape, g["proj_type"])
         low = proj.low_rank_shape(shape, int(g["rank"]), side, g["basis"])
         extra = sum((dt or dtype).itemsize for dt in cls.EXTRA_STATE.values())
         basis = cls._basis_policy(g).nbytes(shape, g, side, dtype)
-        return cls.MOMENTS.nbytes(math.prod(low), dtype, g) + basis + extra
+        return cls.MOMENTS.nbytes(math.prod(low), dtype, g, shape=low) + basis + extra
 
     @classmethod
     def part_state_bytes(

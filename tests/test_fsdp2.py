@@ -52,8 +52,17 @@ CASES = {
 # Resumed under 2 FSDP2 processes: restarts on sharded factors; GaLore-8bit (whole projected
 # state and basis, whole 8-bit dense moments); bitsandbytes' AdamW8bit (its own
 # nested state dict); Stable-SPAM (sharded moments plus whole scalar statistics); Adam-mini (every
-# weight's state whole on its owner, per-head and per-row second moments).
-RESUMES = ["lowrank_restarts", "galore_8bit", "adamw_8bit", "stable_spam", "adam_mini"]
+# weight's state whole on its owner, per-head and per-row second moments); the 4-bit methods (flat
+# packed codes with block and row/column scales, whole on owners; GaLore's with its basis).
+RESUMES = [
+    "lowrank_restarts",
+    "galore_8bit",
+    "adamw_8bit",
+    "stable_spam",
+    "adam_mini",
+    "adamw_4bit",
+    "galore_4bit",
+]
 RESUME = RESUMES[0]
 
 WORKER = textwrap.dedent(

@@ -17,6 +17,10 @@ LAZY: dict[tuple[str, str], str] = {
         "heavy: Accelerate and torch's distributed stack load only for `train` and `eval`"
     ),
     ("effpretrain.cli", "effpretrain.export"): "heavy: exporting loads transformers' model classes",
+    ("optimizers", "optimizers.moments_4bit"): (
+        "heavy: the registry imports a method's module when its formula is first asked for (as it "
+        "imports a class on first use), so that `import optimizers` loads no method"
+    ),
     ("effpretrain.export", "effpretrain.models.factored_hf"): (
         "optional: registers the factored classes with transformers' Auto classes, a side effect "
         "only an export of factors wants"

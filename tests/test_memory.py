@@ -191,7 +191,9 @@ def test_fsdp2_per_rank_bytes_by_hand():
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
-@pytest.mark.parametrize("method", ["galore", "apollo_mini", "galore_8bit", "adamw_8bit", "adam_mini"])
+@pytest.mark.parametrize(
+    "method", ["galore", "apollo_mini", "galore_8bit", "adamw_8bit", "adam_mini", "adamw_4bit", "galore_4bit"]
+)
 def test_fsdp2_state_per_rank_shrinks_with_ranks(method, world):
     """Whole-matrix state is placed on owner ranks: no rank holds more than total / N plus the
     largest single parameter's state, for the projected and the 8-bit methods alike."""
@@ -318,7 +320,19 @@ def test_llama_20m_peak_matches_measured(recipe):
 
 @pytest.mark.parametrize(
     "recipe",
-    ["adamw", "galore", "galore_8bit", "fira", "apollo", "stable_spam", "relora", "golore", "adam_mini"],
+    [
+        "adamw",
+        "galore",
+        "galore_8bit",
+        "fira",
+        "apollo",
+        "stable_spam",
+        "relora",
+        "golore",
+        "adam_mini",
+        "adamw_4bit",
+        "galore_4bit",
+    ],
 )
 def test_optimizer_step_peak_matches_measured(recipe):
     """One short sequence: the optimizer step is the largest moment, with each method's step

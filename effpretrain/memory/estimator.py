@@ -312,7 +312,8 @@ def _param_tally(
     optim_cfg = o.optim_cfg or OptimConfig(name=method)
     mspec = optimizers.method_spec(method)
     shard = o.world_size if o.sharding == "fsdp2" else 1
-    t = _Tally(mspec, prec.params, shard)
+    extra = {k: v for k, v in optim_cfg.extra.items() if k not in optimizers.PROJECTION_GROUP_EXTRAS}
+    t = _Tally(mspec, prec.params, shard, options=extra)
     t.int8_group = o.weight_quant_group if o.weight_quant == "int8" else 0
     t.int8_embeddings = t.int8_group > 0 and o.weight_quant_embeddings
     t.stochastic = o.weight_quant == "int8" if o.stochastic_rounding is None else bool(o.stochastic_rounding)

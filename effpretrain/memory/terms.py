@@ -86,6 +86,9 @@ class _Tally:
     method: optimizers.MethodSpec
     dtype: torch.dtype
     shard: int  # ranks a tensor is split over (1: whole)
+    # The constructor's options every param group inherits (`optim.extra` without the basis
+    # options: 8-bit's min_8bit_size, 4-bit's quant_scheme), under each group's own keys.
+    options: dict[str, Any] = field(default_factory=dict)
     weights: int = 0
     grads: int = 0
     state: int = 0  # set by `finish`: the largest rank's state, shared state included once
@@ -142,7 +145,11 @@ class _Tally:
         """A trainable tensor: its weight, its gradient and its state. Element-wise state is split
         like its parameter (scalar terms, such as torch AdamW's step tensor, stay whole); a
         projected tensor's state (`group` given) and a whole-state method's are whole: on every
-        rank without sharding, on one owner rank under FSDP2 (`finish` places them)."""
+        rank without sharding, on one owner rank under FSDP2 (`finish` places them). The group
+        takes the constructor's `options` where it has no key of its own, as the optimizer's
+        groups take its defaults."""
+        if self.options:
+            group = {**self.options, **(group or {})}
         self.stored_weight(shape)
         self.tensors += 1
         self.grads += self.stored(shape)

@@ -250,6 +250,7 @@ WORKER = textwrap.dedent(
             }
     if rank == 0:
         (out / "report.json").write_text(json.dumps(report))
+    dist.barrier()  # rank 0 alone runs the references: no rank tears gloo down while another works
     dist.destroy_process_group()
     """
 )

@@ -163,7 +163,9 @@ class _Fp64Moments(AdamMoments):
         return norm.to(x.dtype), eta
 
     @classmethod
-    def nbytes(cls, numel: int, dtype: torch.dtype, group: dict[str, Any]) -> int:
+    def nbytes(
+        cls, numel: int, dtype: torch.dtype, group: dict[str, Any], shape: tuple[int, ...] | None = None
+    ) -> int:
         return 2 * 8 * numel
 
 
