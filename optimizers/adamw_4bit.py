@@ -24,7 +24,7 @@ class AdamW4bit(ProjectedAdam):
         M_q = quant(M; blocks of 128, signed DE map),
         V_q = quant(V; rank-1 (default, Li et al.) or blocks of 128 (torchao), linear map without 0)
 
-    The weight is written in one place, `ProjectedAdam._apply_update` (decay, then ``p.add_``).
+    The weight is written in one place, `ProjectedAdam._apply_update` (through `optimizers.writer`).
     Moments with fewer than ``min_4bit_size`` entries stay fp32 (then this is torch's AdamW up to
     fp32 rounding). No group projects: a group with ``rank`` is refused (use ``galore_4bit``).
 
