@@ -66,6 +66,8 @@ def _worker(rank: int, world: int, port: int, methods: list[str], steps: int, ou
     torch.set_num_threads(1)
     import torch.distributed as dist
 
+    from effpretrain.cli import end_process_group
+
     dist.init_process_group("gloo", rank=rank, world_size=world)
     rows = []
     for name in methods:
@@ -90,8 +92,7 @@ def _worker(rank: int, world: int, port: int, methods: list[str], steps: int, ou
                 log(f"  {name} {path} N={world}: {json.dumps(rows[-1])}")
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
-    dist.barrier()  # rank 0 writes the rows alone: no rank tears gloo down while another works
-    dist.destroy_process_group()
+    end_process_group(together=True)  # rank 0 wrote the rows alone; DTensor caches hold the mesh
 
 
 def _measure(name: str, path: str, steps: int) -> dict[str, Any]:

@@ -6,6 +6,7 @@ Bad input (config, data, paths, checkpoints) exits with code 2 and one line nami
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -379,22 +380,49 @@ def main(argv: list[str] | None = None) -> int:
         print("effpretrain: interrupted", file=sys.stderr)
         return 130
     finally:
-        _end_process_group(together=finished)
+        end_process_group(together=finished)
 
 
-def _end_process_group(together: bool) -> None:
+def end_process_group(together: bool) -> None:
     """Tears down this process's torch.distributed group before the interpreter exits (torch asks
     for it: a gloo group left to the exit's destructors can abort the process after a finished run).
     After a finished command the ranks first meet in a barrier, so that none closes its gloo
     connections while a peer still has a message in flight on them (a rank then aborted at exit,
     "terminate called without an active exception", now and then on a loaded machine); after an
-    error no barrier, which a rank that failed alone would never reach."""
+    error no barrier, which a rank that failed alone would never reach. DTensor's caches are
+    emptied first (`_drop_dtensor_caches`): without that, under FSDP2 the group outlived
+    `destroy_process_group` and the abort stayed possible after the barrier.
+
+    Also the end of any script of several processes built on effpretrain (benchmarks, test
+    workers): ``end_process_group(together=True)`` as their last line."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         if together:
             dist.barrier()
+        _drop_dtensor_caches()
         dist.destroy_process_group()
+        gc.collect()
+
+
+def _drop_dtensor_caches() -> None:
+    """Empties DTensor's process-wide caches of sharding propagation, redistribution plans and
+    planners.
+    Their entries hold device meshes, and a live mesh keeps its gloo group (and the group's
+    threads) alive past `destroy_process_group` until the interpreter's exit, where its destruction
+    could abort the process after a finished run. Emptied, the group is destroyed here."""
+    try:
+        from torch.distributed.tensor import _redistribute
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # a torch without DTensor: no cache holds a mesh
+        return
+    _clear_sharding_prop_cache()
+    for fn in vars(_redistribute).values():
+        if callable(getattr(fn, "cache_clear", None)):
+            fn.cache_clear()
+    clear_planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    if clear_planners is not None:  # its planners (one per mesh and tensor) hold their meshes
+        clear_planners()
 
 
 if __name__ == "__main__":

@@ -141,8 +141,10 @@ def _matrix_rule_transient(shape: tuple[int, ...], group: dict[str, Any], dtype:
 
 
 def _fused_transient(shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
-    """bitsandbytes' fused 8-bit AdamW kernel dequantises block by block: no full-size temporary."""
-    return 0
+    """bitsandbytes' fused 8-bit AdamW kernel dequantises block by block: no full-size temporary.
+    A weight stored in fewer bits than fp32 steps as its fp32 value (the writer's term) with an
+    fp32 copy of its gradient: 4 L (optimizers/adamw_8bit.py)."""
+    return 0 if dtype == torch.float32 else 4 * math.prod(shape)
 
 
 @dataclass(frozen=True)

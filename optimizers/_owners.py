@@ -223,7 +223,10 @@ class OwnerPlaced:
             group, idx = where[id(q)]
             state = self.state[q]  # type: ignore[attr-defined]
             if not state and init_state is not None:
-                init_state(weight, group, state, idx)  # whole-shaped: plain tensors
+                # Whole-shaped plain tensors, in the parameter's dtype: a weight stored in fewer
+                # bits travels as its fp32 value (`_value`), its state stays in its own dtype.
+                like = weight if weight.dtype == q.dtype else whole_shaped(q).to(weight.device)
+                init_state(like, group, state, idx)
             step_one(weight, grad, state, group, idx)
 
         owners.step_each([q for _, q, _ in entries], step)

@@ -130,9 +130,11 @@ class AdamW8bit(OwnerPlaced, bnb.optim.AdamW8bit):
         if rounded:
             # A weight stored in fewer bits (bf16, INT8) steps as an fp32 copy (bitsandbytes'
             # kernel writes its parameter in place), written back once through the writer.
-            values = {p: (value_fp32(p), p.grad.float()) for p in rounded}
-            for p, full in self._step_whole(values).items():
-                write_whole_(p, full)
+            # One weight at a time (the estimator's writer term: one fp32 value and gradient alive).
+            for p in rounded:
+                for q, full in self._step_whole({p: (value_fp32(p), p.grad)}).items():
+                    write_whole_(q, full)
+                del full
         held = [(p, p.grad) for p in rounded]
         for p in rounded:
             p.grad = None
@@ -166,7 +168,9 @@ class AdamW8bit(OwnerPlaced, bnb.optim.AdamW8bit):
             for i, p in enumerate(group["params"]):
                 if p in wholes:
                     full, grad = wholes[p]
-                    full.grad = grad
+                    # bitsandbytes steps a gradient of its weight's dtype: a rounded weight's
+                    # fp32 value takes an fp32 copy of its (bf16) gradient.
+                    full.grad = grad if grad.dtype == full.dtype else grad.to(full.dtype)
                     if p in self.state:
                         self.state[full] = self.state.pop(p)
                     group["params"][i] = full

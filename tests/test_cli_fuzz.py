@@ -78,6 +78,12 @@ _OUT_OF_RANGE: dict[config.Check, dict[type, st.SearchStrategy]] = {
             ),
         )
     },
+    # `auto`, true or false: words YAML reads as strings other than `auto`.
+    config.AUTO_OR_BOOL: {
+        bool | str: st.text(alphabet=string.ascii_letters, min_size=1, max_size=10).filter(
+            lambda w: isinstance(yaml.safe_load(w), str) and w != "auto"
+        )
+    },
 }
 
 _SHORT_TEXT = st.text(max_size=12)
@@ -140,6 +146,8 @@ def bad_values(tp: Any) -> st.SearchStrategy:
             others.append(_OUT_OF_RANGE[m][base])
     if base == int | str:  # a count or a keyword (train.activation_checkpointing)
         return st.one_of(*others, st.dates())
+    if base == bool | str:  # a switch or `auto` (train.stochastic_rounding)
+        return st.one_of(*others, st.integers(), st.floats(), st.dates())
     if base is bool:
         return st.one_of(*others, st.integers(), st.floats(), _SHORT_TEXT)
     if base is int:

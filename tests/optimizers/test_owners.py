@@ -124,134 +124,137 @@ WORKER = textwrap.dedent(
     from optimizers._owners import COMM
     from optimizers._sharded import local
     from effpretrain.checkpoint import sharded
+    from effpretrain.cli import end_process_group
 
     out, methods = Path(sys.argv[1]), sys.argv[2].split(",")
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    # LLaMA-tiny-shaped matrices (uneven rows under 3 ranks), an embedding and a norm, and a
-    # matrix whose rows are whole 256-entry blocks (8-bit moments step its row shards; under 3
-    # ranks 14, 14 and 12 rows, each shard below min_8bit_size 4096, the whole above it).
-    MATS = [(64, 64), (64, 64), (172, 64), (172, 64), (64, 172), (7, 40)]
-    DENSE = [(512, 64), (40, 256), (64,)]
-    STEPS, SAVE = 7, 4  # refreshes (T = 3) at steps 1, 4 and 7; resumed after step 4
+    def main():  # locals, not globals: nothing holds a mesh (and its gloo group) at exit
+        rank, world = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(0)
+        # LLaMA-tiny-shaped matrices (uneven rows under 3 ranks), an embedding and a norm, and a
+        # matrix whose rows are whole 256-entry blocks (8-bit moments step its row shards; under 3
+        # ranks 14, 14 and 12 rows, each shard below min_8bit_size 4096, the whole above it).
+        MATS = [(64, 64), (64, 64), (172, 64), (172, 64), (64, 172), (7, 40)]
+        DENSE = [(512, 64), (40, 256), (64,)]
+        STEPS, SAVE = 7, 4  # refreshes (T = 3) at steps 1, 4 and 7; resumed after step 4
 
-    def build(sharded):
-        mod = torch.nn.Module()
-        gen = torch.Generator().manual_seed(1)
-        for i, shape in enumerate(MATS + DENSE):
-            mod.register_parameter(f"p{i}", torch.nn.Parameter(torch.randn(shape, generator=gen) * 0.1))
-        if sharded:
-            fully_shard(mod)
-        return mod
+        def build(sharded):
+            mod = torch.nn.Module()
+            gen = torch.Generator().manual_seed(1)
+            for i, shape in enumerate(MATS + DENSE):
+                mod.register_parameter(f"p{i}", torch.nn.Parameter(torch.randn(shape, generator=gen) * 0.1))
+            if sharded:
+                fully_shard(mod)
+            return mod
 
-    def groups(name, mod):
-        ps = list(mod.parameters())
-        mats, dense = ps[: len(MATS)], ps[len(MATS):]
-        spec = optimizers.METHODS[name]
-        if spec.matrix_params:  # whole-matrix rules; SCALE: the last matrix as its head, p6 its embedding
-            head = spec.matrix_role(target=False, embedding=False, ndim=2)
-            emb = spec.matrix_role(target=False, embedding=True, ndim=2)
-            out = [{"params": mats[:-1] if head else mats, **spec.matrix_group("hidden")}]
-            if head:
-                out.append({"params": mats[-1:], **spec.matrix_group(head)})
-            if emb:
-                return out + [{"params": dense[:1], **spec.matrix_group(emb)}, {"params": dense[1:]}]
-            return out + [{"params": dense}]
-        if not spec.projects:
-            return [{"params": ps, "min_8bit_size": 256}]
-        proj = {"params": mats, **optimizers.METHODS[name].projection_group(rank=8, update_proj_gap=3, scale=0.5)}
-        return [proj, {"params": dense}]
+        def groups(name, mod):
+            ps = list(mod.parameters())
+            mats, dense = ps[: len(MATS)], ps[len(MATS):]
+            spec = optimizers.METHODS[name]
+            if spec.matrix_params:  # whole-matrix rules; SCALE: the last matrix as its head, p6 its embedding
+                head = spec.matrix_role(target=False, embedding=False, ndim=2)
+                emb = spec.matrix_role(target=False, embedding=True, ndim=2)
+                out = [{"params": mats[:-1] if head else mats, **spec.matrix_group("hidden")}]
+                if head:
+                    out.append({"params": mats[-1:], **spec.matrix_group(head)})
+                if emb:
+                    return out + [{"params": dense[:1], **spec.matrix_group(emb)}, {"params": dense[1:]}]
+                return out + [{"params": dense}]
+            if not spec.projects:
+                return [{"params": ps, "min_8bit_size": 256}]
+            proj = {"params": mats, **optimizers.METHODS[name].projection_group(rank=8, update_proj_gap=3, scale=0.5)}
+            return [proj, {"params": dense}]
 
-    def grads(step):
-        gen = torch.Generator().manual_seed(100 + step)
-        out = [torch.randn(s, generator=gen) for s in MATS + DENSE]
-        if step == 2:
-            out[1].zero_()  # a whole zero gradient: state only, no step, no basis
-        return out
+        def grads(step):
+            gen = torch.Generator().manual_seed(100 + step)
+            out = [torch.randn(s, generator=gen) for s in MATS + DENSE]
+            if step == 2:
+                out[1].zero_()  # a whole zero gradient: state only, no step, no basis
+            return out
 
-    def run(name, sharded, steps, whole_matrix="owner", mod=None, opt=None):
-        if mod is None:
-            mod = build(sharded)
-            kw = {"whole_matrix": whole_matrix} if sharded else {}
-            opt = optimizers.build_optimizer(name, groups(name, mod), lr=1e-2, **kw)
-        for step in steps:
-            for p, g in zip(mod.parameters(), grads(step)):
-                p.grad = distribute_tensor(g, p.device_mesh, [Shard(0)]) if sharded else g
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return mod, opt
+        def run(name, sharded, steps, whole_matrix="owner", mod=None, opt=None):
+            if mod is None:
+                mod = build(sharded)
+                kw = {"whole_matrix": whole_matrix} if sharded else {}
+                opt = optimizers.build_optimizer(name, groups(name, mod), lr=1e-2, **kw)
+            for step in steps:
+                for p, g in zip(mod.parameters(), grads(step)):
+                    p.grad = distribute_tensor(g, p.device_mesh, [Shard(0)]) if sharded else g
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            return mod, opt
 
-    def whole_weights(mod):
-        return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in mod.parameters()]
+        def whole_weights(mod):
+            return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in mod.parameters()]
 
-    report = {}
-    for name in methods:
-        COMM.reset()
-        mod, opt = run(name, True, range(1, STEPS + 1))
-        steps_comm = COMM.collectives
-        mine = whole_weights(mod)
-        gather_mod, _ = run(name, True, range(1, STEPS + 1), whole_matrix="gather")
-        gathered = whole_weights(gather_mod)
-        # Resume: save after step SAVE with DCP, load into a fresh model and optimizer, finish.
-        ck = out / f"{name}-ck"
-        ck_mod, ck_opt = run(name, True, range(1, SAVE + 1))
-        skeleton = sharded.save_sharded(ck, ck_mod, ck_opt)
-        new_mod = build(True)
-        new_opt = optimizers.build_optimizer(name, groups(name, new_mod), lr=1e-2)
-        sharded.load_sharded(ck, new_mod, new_opt, skeleton)
-        run(name, True, range(SAVE + 1, STEPS + 1), mod=new_mod, opt=new_opt)
-        resumed = whole_weights(new_mod)
-        old_layout = None
-        if name == "galore_8bit":  # a checkpoint from before rows of whole blocks stepped by shards
-            from optimizers.galore_8bit import BlockwiseMoments8bit
-            rule = BlockwiseMoments8bit.__dict__["steps_shards"]
-            BlockwiseMoments8bit.steps_shards = classmethod(lambda cls, shape: False)
-            old_mod, old_opt = run(name, True, range(1, SAVE + 1))
-            old_skeleton = sharded.save_sharded(out / "old-ck", old_mod, old_opt)
-            BlockwiseMoments8bit.steps_shards = rule
+        report = {}
+        for name in methods:
+            COMM.reset()
+            mod, opt = run(name, True, range(1, STEPS + 1))
+            steps_comm = COMM.collectives
+            mine = whole_weights(mod)
+            gather_mod, _ = run(name, True, range(1, STEPS + 1), whole_matrix="gather")
+            gathered = whole_weights(gather_mod)
+            # Resume: save after step SAVE with DCP, load into a fresh model and optimizer, finish.
+            ck = out / f"{name}-ck"
+            ck_mod, ck_opt = run(name, True, range(1, SAVE + 1))
+            skeleton = sharded.save_sharded(ck, ck_mod, ck_opt)
             new_mod = build(True)
             new_opt = optimizers.build_optimizer(name, groups(name, new_mod), lr=1e-2)
-            sharded.load_sharded(out / "old-ck", new_mod, new_opt, old_skeleton)
+            sharded.load_sharded(ck, new_mod, new_opt, skeleton)
             run(name, True, range(SAVE + 1, STEPS + 1), mod=new_mod, opt=new_opt)
-            old_layout = all(torch.equal(a, b) for a, b in zip(whole_weights(new_mod), mine))
-        state = optimizers.measured_state_bytes(opt)
-        refreshes = getattr(opt, "refresh_count", 0)
-        tallies = [None] * world
-        dist.all_gather_object(tallies, {"state": state, "refreshes": refreshes,
-                                         "held": sum(1 for s in opt.state.values() if s),
-                                         "empty": sum(1 for s in opt.state.values() if not s)})
+            resumed = whole_weights(new_mod)
+            old_layout = None
+            if name == "galore_8bit":  # a checkpoint from before rows of whole blocks stepped by shards
+                from optimizers.galore_8bit import BlockwiseMoments8bit
+                rule = BlockwiseMoments8bit.__dict__["steps_shards"]
+                BlockwiseMoments8bit.steps_shards = classmethod(lambda cls, shape: False)
+                old_mod, old_opt = run(name, True, range(1, SAVE + 1))
+                old_skeleton = sharded.save_sharded(out / "old-ck", old_mod, old_opt)
+                BlockwiseMoments8bit.steps_shards = rule
+                new_mod = build(True)
+                new_opt = optimizers.build_optimizer(name, groups(name, new_mod), lr=1e-2)
+                sharded.load_sharded(out / "old-ck", new_mod, new_opt, old_skeleton)
+                run(name, True, range(SAVE + 1, STEPS + 1), mod=new_mod, opt=new_opt)
+                old_layout = all(torch.equal(a, b) for a, b in zip(whole_weights(new_mod), mine))
+            state = optimizers.measured_state_bytes(opt)
+            refreshes = getattr(opt, "refresh_count", 0)
+            tallies = [None] * world
+            dist.all_gather_object(tallies, {"state": state, "refreshes": refreshes,
+                                             "held": sum(1 for s in opt.state.values() if s),
+                                             "empty": sum(1 for s in opt.state.values() if not s)})
+            if rank == 0:
+                ref_mod, ref_opt = run(name, False, range(1, STEPS + 1))
+                ref = whole_weights(ref_mod)
+                one_state = optimizers.measured_state_bytes(ref_opt)
+                spec = optimizers.METHODS[name]
+                singles = []
+                for g in ref_opt.param_groups:
+                    for p in g["params"]:
+                        if not spec.steps_shards(tuple(p.shape), g):
+                            singles.append(spec.state_bytes(tuple(p.shape), g, p.dtype))
+                report[name] = {
+                    "whole_step": [not spec.steps_shards(tuple(p.shape), g)
+                                   for g in ref_opt.param_groups for p in g["params"]],
+                    "shapes": [list(p.shape) for g in ref_opt.param_groups for p in g["params"]],
+                    "rel_diff": [float((a - b).norm() / b.norm()) for a, b in zip(mine, ref)],
+                    "equal_to_one_process": [torch.equal(a, b) for a, b in zip(mine, ref)],
+                    "owner_equals_gather": all(torch.equal(a, b) for a, b in zip(mine, gathered)),
+                    "resume_exact": all(torch.equal(a, b) for a, b in zip(resumed, mine)),
+                    "old_layout_resume_exact": old_layout,
+                    "max_diff": max(float((a - b).abs().max()) for a, b in zip(mine, ref)),
+                    "gather_diff": max(float((a - b).abs().max()) for a, b in zip(gathered, ref)),
+                    "ranks": tallies,
+                    "one_state": one_state,
+                    "one_refreshes": getattr(ref_opt, "refresh_count", 0),
+                    "largest_single": max(singles),
+                    "collectives": steps_comm,
+                }
         if rank == 0:
-            ref_mod, ref_opt = run(name, False, range(1, STEPS + 1))
-            ref = whole_weights(ref_mod)
-            one_state = optimizers.measured_state_bytes(ref_opt)
-            spec = optimizers.METHODS[name]
-            singles = []
-            for g in ref_opt.param_groups:
-                for p in g["params"]:
-                    if not spec.steps_shards(tuple(p.shape), g):
-                        singles.append(spec.state_bytes(tuple(p.shape), g, p.dtype))
-            report[name] = {
-                "whole_step": [not spec.steps_shards(tuple(p.shape), g)
-                               for g in ref_opt.param_groups for p in g["params"]],
-                "shapes": [list(p.shape) for g in ref_opt.param_groups for p in g["params"]],
-                "rel_diff": [float((a - b).norm() / b.norm()) for a, b in zip(mine, ref)],
-                "equal_to_one_process": [torch.equal(a, b) for a, b in zip(mine, ref)],
-                "owner_equals_gather": all(torch.equal(a, b) for a, b in zip(mine, gathered)),
-                "resume_exact": all(torch.equal(a, b) for a, b in zip(resumed, mine)),
-                "old_layout_resume_exact": old_layout,
-                "max_diff": max(float((a - b).abs().max()) for a, b in zip(mine, ref)),
-                "gather_diff": max(float((a - b).abs().max()) for a, b in zip(gathered, ref)),
-                "ranks": tallies,
-                "one_state": one_state,
-                "one_refreshes": getattr(ref_opt, "refresh_count", 0),
-                "largest_single": max(singles),
-                "collectives": steps_comm,
-            }
-    if rank == 0:
-        (out / "report.json").write_text(json.dumps(report))
-    dist.barrier()  # rank 0 alone runs the references: no rank tears gloo down while another works
-    dist.destroy_process_group()
+            (out / "report.json").write_text(json.dumps(report))
+
+    main()
+    end_process_group(together=True)  # rank 0 alone ran the references; DTensor caches hold the mesh
     """
 )
 
