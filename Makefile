@@ -11,6 +11,9 @@ TORCH_CUDA ?= torch===$(TORCH_VERSION)
 
 .PHONY: venv train test test-fast test-gpu mutants lint docs format clean gpu-wheels
 
+# The 'lowbit-ref' extra (torchao, a numerics reference) goes to a folder off the import path,
+# which only the test that compares with it puts on its path (transformers imports an installed
+# torchao at start-up; its warnings would reach the stderr that the CLI's error tests read).
 # torch first, so the range in pyproject.toml installs nothing more: where an NVIDIA driver is
 # loaded (effpretrain/devices.py looks for its files; nvidia-smi need not be on PATH) a CUDA build,
 # checked to be one; elsewhere the CPU build. -I: the script's folder stays off the import path.
@@ -25,6 +28,8 @@ $(STAMP): pyproject.toml
 		$(BIN)/pip install -q torch==$(TORCH_VERSION); \
 	fi
 	$(BIN)/pip install -q -e '.[dev]'
+	rm -rf $(VENV)/lowbit-ref && $(BIN)/pip install -q --no-deps --target $(VENV)/lowbit-ref \
+		"$$(grep -o 'torchao==[0-9.]*' pyproject.toml)"
 	touch $(STAMP)
 
 venv: $(STAMP)

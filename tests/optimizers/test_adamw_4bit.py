@@ -6,6 +6,10 @@ torchao's AdamW4bit, the state formula by hand, the zero-gradient step, a 100-st
 from __future__ import annotations
 
 import math
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import harness
 import pytest
@@ -141,7 +145,24 @@ def test_steps_as_adamw_with_the_papers_quantizer(scheme: str) -> None:
         assert float((a - b).detach().norm()) <= 1e-3 * float((b - w).detach().norm()), tuple(w.shape)
 
 
-def test_blockwise_scheme_is_torchaos_adamw4bit(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def torchao_optim(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """torchao.optim, from the folder `make` installs it in (``.venv/lowbit-ref``: the 'lowbit-ref'
+    extra, off every other process's import path), or an installed torchao; for this test only
+    (its modules leave sys.modules after it, so transformers never sees them)."""
+    folder = Path(sys.prefix) / "lowbit-ref"
+    if folder.is_dir():
+        monkeypatch.syspath_prepend(str(folder))
+    before = set(sys.modules)
+    yield pytest.importorskip(
+        "torchao.optim", reason="torchao: the 'lowbit-ref' extra (make test installs it)"
+    )
+    for name in set(sys.modules) - before:
+        if name == "torchao" or name.startswith("torchao."):
+            del sys.modules[name]
+
+
+def test_blockwise_scheme_is_torchaos_adamw4bit(monkeypatch: pytest.MonkeyPatch, torchao_optim: Any) -> None:
     """``quant_scheme="blockwise"`` beside torchao's AdamW4bit (eager: its torch.compile of the
     step is replaced by the plain function, the same operations): after every step the block
     scales agree to fp32 rounding and the 4-bit codes in at least 99.9% of the bytes (measured:
@@ -150,7 +171,6 @@ def test_blockwise_scheme_is_torchaos_adamw4bit(monkeypatch: pytest.MonkeyPatch)
     last bit; a code flips where a moment sits on a rounding midpoint (see the test above). State
     bytes: ours equal torchao's codes and scales, 2 (L / 2 + 4 L / 128); torchao holds a 16-entry
     fp32 map per moment and an fp32 step beside them."""
-    torchao_optim = pytest.importorskip("torchao.optim", reason="torchao is the optional 'lowbit-ref' extra")
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
     shapes = [(64, 128), (128, 96), (24,)]  # torchao quantizes sizes >= 4096 that 128 divides
     ours_kw = {"lr": 1e-2, "weight_decay": 0.1, "quant_scheme": "blockwise"}
