@@ -30,6 +30,7 @@ new values at every write.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -122,7 +123,10 @@ def _uniform_compiled(key: int, offset: int, n: int, device: torch.device | str)
     k = torch.tensor(int(key), dtype=torch.int64, device=device)
     out = []
     try:
-        with torch.no_grad():
+        # The kernel is a fixed integer function, not a model: it runs compiled whatever stance
+        # the caller set (the CPU memory measurement runs models with "force_eager", under which
+        # the ~20 integer passes ran eagerly: a third of a measured big step's time).
+        with torch.no_grad(), _default_stance():
             for start in range(0, n, size):
                 o = torch.tensor(int(offset) + start, dtype=torch.int64, device=device)
                 out.append(kernel(k, o, size, device)[: min(size, n - start)])
@@ -130,6 +134,12 @@ def _uniform_compiled(key: int, offset: int, n: int, device: torch.device | str)
         _compiled[device.type] = _uniform_eager
         return _uniform_eager(k, torch.tensor(int(offset), dtype=torch.int64, device=device), n, device)
     return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def _default_stance() -> Any:
+    """torch.compile's default stance for the block (a torch without stances: nothing to undo)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("default") if set_stance is not None else contextlib.nullcontext()
 
 
 #: Whether `uniform` may use its compiled kernel (tests compare both paths).
