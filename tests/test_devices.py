@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -242,8 +243,12 @@ def test_makefile_installs_the_torch_build_the_driver_calls_for(driver, cpu_buil
     assert ("pip install -q torch==2.13.0" in calls) is not driver
     if rc:
         assert "an NVIDIA driver is loaded but no CUDA build of torch installed" in proc.stderr
-    else:
-        assert calls[-1] == "pip install -q -e .[dev]"
+    else:  # the project, then the 'lowbit-ref' pin into a folder off the import path
+        pin = re.search(r"torchao==[0-9.]+", (ROOT / "pyproject.toml").read_text()).group()
+        assert calls[-2:] == [
+            "pip install -q -e .[dev]",
+            f"pip install -q --no-deps --target {tmp_path / 'venv' / 'lowbit-ref'} {pin}",
+        ]
 
 
 def test_the_driver_script_runs_alone():
