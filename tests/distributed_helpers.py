@@ -89,6 +89,21 @@ def run_worker_pair(worker_source: str, out: Path, tail: list[str], nproc: int =
         assert proc.returncode == 0, err[-4000:]
 
 
+def run_worker(worker_source: str, out: Path, nproc: int = 2, timeout: int = 300) -> None:
+    """Writes `worker_source` to out/worker.py and runs it as `nproc` torchrun processes with argv
+    [out], one thread each; fails the test with the stderr tail if it did not succeed."""
+    worker = out / "worker.py"
+    worker.write_text(worker_source)
+    proc = subprocess.run(
+        [*torchrun(nproc), str(worker), str(out)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def selected(request, argname: str, values: list[str]) -> list[str]:
     """The values of the parameter `argname` that the selected tests using the requesting
     module-scoped fixture ask for (``pytest -k`` or node ids may select a few), in `values`' order;

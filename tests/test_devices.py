@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from _common import ROOT, child_env
-from distributed_helpers import torchrun
+from distributed_helpers import run_worker
 
 from effpretrain import devices
 from effpretrain.config import load_config
@@ -282,16 +282,7 @@ def test_spawned_ranks_see_no_gpu(tmp_path):
     """Two ranks started with torchrun as the suite starts them (distributed_helpers, child_env)
     read their own environment: no CUDA device is visible, so on a GPU box they do not share cuda:0
     and the CPU-calibrated checks stay on the CPU."""
-    worker = tmp_path / "worker.py"
-    worker.write_text(RANK_WORKER)
-    proc = subprocess.run(
-        [*torchrun(2), str(worker), str(tmp_path)],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_worker(RANK_WORKER, tmp_path)
     for rank in (0, 1):
         seen = json.loads(Path(tmp_path / f"rank{rank}.json").read_text())
         assert seen == {"visible": "", "count": 0}, (rank, seen)

@@ -9,13 +9,11 @@ reads (thread names from /proc)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import textwrap
 from pathlib import Path
 
 import pytest
-from _common import child_env
-from distributed_helpers import torchrun
+from distributed_helpers import run_worker
 
 WORKER = textwrap.dedent(
     """
@@ -51,16 +49,7 @@ WORKER = textwrap.dedent(
 
 @pytest.mark.multiprocess
 def test_no_gloo_thread_outlives_the_end_of_an_fsdp2_run(tmp_path: Path) -> None:
-    worker = tmp_path / "worker.py"
-    worker.write_text(WORKER)
-    proc = subprocess.run(
-        [*torchrun(2), str(worker), str(tmp_path)],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_worker(WORKER, tmp_path)
     for rank in range(2):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert seen["before"], "the group's threads were never seen: the test reads nothing"
