@@ -198,20 +198,13 @@ class MatrixOptimizer(OwnerPlaced, torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimisation step over all parameters that have a gradient (placed by
         `OwnerPlaced._placed_step`: under FSDP2 a matrix whose rule is not row-local steps whole)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        # Orthogonalisation and whitening at IEEE fp32 whatever the process's TF32 setting (issue
-        # 37, G9); after the closure, so the model keeps the run's precision.
-        with full_fp32():
-            self._placed_step(
-                None,
-                steps_whole=lambda group, p: self.steps_whole(group),
-                step_one=lambda w, g, state, group, index: self._step_one(w, g, state, group),
-                init_state=lambda ref, group, state, index: self._init_state(ref, group, state),
-            )
-        return loss
+        return self._placed_step(  # orthogonalisation and whitening at full fp32 (`fp32_math`)
+            closure,
+            steps_whole=lambda group, p: self.steps_whole(group),
+            step_one=lambda w, g, state, group, index: self._step_one(w, g, state, group),
+            init_state=lambda ref, group, state, index: self._init_state(ref, group, state),
+            fp32_math=True,
+        )
 
     # ------------------------------------------------------------------ FSDP2
 

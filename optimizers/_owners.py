@@ -36,6 +36,7 @@ through them, as it counts the gather path's all-gathers.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,6 +44,7 @@ from typing import Any
 import torch
 
 from optimizers._sharded import COMM, is_dtensor, local, nonzero_flags, whole, write_whole_
+from optimizers.precision import full_fp32
 from optimizers.writer import needs_writer, value_fp32, written
 
 DEFAULT_BUCKET_BYTES = 1 << 26
@@ -146,6 +148,7 @@ class OwnerPlaced:
         step_one: Callable[[torch.Tensor, torch.Tensor, dict[str, Any], dict[str, Any], int], None],
         init_state: Callable[[torch.Tensor, dict[str, Any], dict[str, Any], int], None] | None = None,
         skip_zero: bool = True,
+        fp32_math: bool = False,
     ) -> Any:
         """The one placement driver of a ``step()``: the closure, then every parameter with a
         gradient stepped where it belongs.
@@ -161,11 +164,27 @@ class OwnerPlaced:
         (`init_state`, whole-shaped where it steps whole; on the owner alone), and nothing moves.
         `step_one(weight, grad, state, group, index)` is the method's rule on plain tensors;
         `index` is the parameter's position in the optimizer (seeds per parameter).
+
+        With `fp32_math`, everything after the closure runs under `optimizers.precision.full_fp32`:
+        the method's bases, projections, orthogonalisation and norms at IEEE fp32 whatever the
+        process's TF32 setting (docs/gpu.md, G9), while the closure's model keeps the run's.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        with full_fp32() if fp32_math else contextlib.nullcontext():
+            self._step_placed(steps_whole, step_one, init_state, skip_zero)
+        return loss
+
+    def _step_placed(
+        self,
+        steps_whole: Callable[[dict[str, Any], torch.Tensor], bool],
+        step_one: Callable[[torch.Tensor, torch.Tensor, dict[str, Any], dict[str, Any], int], None],
+        init_state: Callable[[torch.Tensor, dict[str, Any], dict[str, Any], int], None] | None,
+        skip_zero: bool,
+    ) -> None:
+        """`_placed_step` after its closure: every parameter with a gradient, where it belongs."""
         entries = self._entries_with_grad()
         live = (
             nonzero_flags([q.grad for _, q, _ in entries]) if skip_zero and entries else [True] * len(entries)
@@ -193,7 +212,6 @@ class OwnerPlaced:
                 step_one(local(q), local(q.grad), state, group, idx)
         if owned:
             self._owner_steps(owned, step_one, init_state)
-        return loss
 
     def _entries_with_grad(self) -> list[tuple[dict[str, Any], torch.Tensor, int]]:
         """(group, parameter, index) of every parameter with a gradient; sparse ones refused."""

@@ -117,7 +117,6 @@ from optimizers.bases import (
     SeededRandomBasis,
     refresh_due,
 )
-from optimizers.precision import full_fp32
 from optimizers.writer import written
 
 Direction = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -463,17 +462,13 @@ class ProjectedAdam(OwnerPlaced, torch.optim.Optimizer):
         Args:
             closure: re-evaluates the model and returns the loss (run with grad enabled).
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        # Bases, projections and the methods' norms at IEEE fp32 whatever the process's TF32
-        # setting (issue 37, G9); after the closure, so the model keeps the run's precision.
-        with full_fp32():
-            self._placed_step(
-                None, steps_whole=self._steps_whole, step_one=self._step_one, init_state=self._init_state
-            )
-        return loss
+        return self._placed_step(  # bases, projections and norms at full fp32 (`fp32_math`)
+            closure,
+            steps_whole=self._steps_whole,
+            step_one=self._step_one,
+            init_state=self._init_state,
+            fp32_math=True,
+        )
 
     def _steps_whole(self, group: dict[str, Any], p: torch.Tensor) -> bool:
         return bool(group["project"]) or not self.moments.steps_shards(tuple(p.shape))
