@@ -1,4 +1,4 @@
-"""The cost of drawing the random bases on the CPU (issue 37, G7), at a recipe's real shapes.
+"""The cost of drawing the random bases on the CPU (docs/gpu.md, G7), at a recipe's real shapes.
 
 Every Gaussian that defines a method's state (APOLLO's projections, GoLore's random bases, the
 randomized SVD's sketches) is drawn on the CPU from a CPU generator and copied to the device

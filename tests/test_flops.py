@@ -32,7 +32,7 @@ def test_llama_1b_flops_per_token_against_a_hand_count():
         ("NVIDIA H100 PCIe", 756, 378, 51),
         ("NVIDIA H100 NVL", 835, 417.5, 60),
         ("NVIDIA H800", 989, 494.5, 67),
-        ("NVIDIA H800 PCIe", 756, 378, 51),  # not the SXM part's 989 (issue 37, G14)
+        ("NVIDIA H800 PCIe", 756, 378, 51),  # not the SXM part's 989 (docs/gpu.md, G14)
         ("NVIDIA GH200 480GB", 989, 494.5, 67),
         ("NVIDIA H200", 989, 494.5, 67),
         ("NVIDIA H200 NVL", 835, 417.5, 60),
@@ -71,7 +71,7 @@ def test_unknown_devices_and_mig_slices_have_no_peak(name):
 
 
 def test_a_mig_slice_gets_a_null_mfu(monkeypatch):
-    """issue 37, G14: a slice would otherwise be divided by the whole chip's peak."""
+    """docs/gpu.md, G14: a slice would otherwise be divided by the whole chip's peak."""
     monkeypatch.setattr(
         torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB MIG 1g.10gb"
     )

@@ -1,4 +1,4 @@
-"""A disk that fills during a save, produced for real (issue 36): the OS refuses the write, no mock.
+"""A disk that fills during a save, produced for real: the OS refuses the write, no mock.
 
 Two real faults: ``RLIMIT_FSIZE`` (a process may not grow a file past the limit; Python ignores
 SIGXFSZ, so the write fails with EFBIG, "File too large"; no root needed) and a small tmpfs that

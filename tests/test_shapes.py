@@ -58,7 +58,7 @@ SHAPES = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 
-#: The user's Qwen3 of issue 36: head size 32 = 128 / 4; 2,466,560 parameters, once estimated at
+#: A reported Qwen3: head size 32 = 128 / 4; 2,466,560 parameters, once estimated at
 #: 2,761,856 (head size 128, Qwen3's default).
 USERS_QWEN3: dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"],

@@ -71,7 +71,7 @@ def test_smoke_runs_every_section_on_cpu(tmp_path):
 def test_a_missing_package_is_missing_not_skipped_named_first_and_last_and_exits_3(
     tmp_path, monkeypatch, capsys
 ):
-    """issue 37, G10: a run without the carried wheels must not look complete."""
+    """docs/gpu.md, G10: a run without the carried wheels must not look complete."""
     monkeypatch.setitem(sys.modules, "galore_torch", None)  # import galore_torch now fails
     started = []
 
@@ -129,7 +129,7 @@ def test_packages_flag_checks_the_needed_packages_alone(monkeypatch, capsys):
 @pytest.mark.run
 @pytest.mark.parametrize("compiled", [False, True])
 def test_a_speed_case_leaves_no_tensor_of_its_own_alive(monkeypatch, compiled):
-    """issue 37, G11: a case's model, optimizer and their state are garbage by the time the case
+    """docs/gpu.md, G11: a case's model, optimizer and their state are garbage by the time the case
     calls `free` (its collection and CUDA's ``empty_cache``), so that call can return their memory
     and cases do not pile up on the device; checked by weak references inside `free`'s call."""
     from effpretrain import optim_setup, run_model

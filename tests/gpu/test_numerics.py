@@ -1,4 +1,4 @@
-"""CUDA numerics of issue 37's G7, G9 and G14 (`make test-gpu`; skipped without a CUDA device).
+"""CUDA numerics of docs/gpu.md's G7, G9 and G14 (`make test-gpu`; skipped without a CUDA device).
 
 G7: the random draws that define a method's state are the CPU's on the GPU, bit for bit (the values
 are made on the CPU and copied, so the comparison is exact by construction). G9: the optimizers'

@@ -205,7 +205,7 @@ class _OnDevice(torch.Tensor):
     ],
 )
 def test_factor_inits_on_a_device_draw_on_the_cpu_from_the_global_generator(init):
-    """issue 37, G7: a device tensor is filled from a CPU draw of torch's global CPU generator (the
+    """docs/gpu.md, G7: a device tensor is filled from a CPU draw of torch's global CPU generator (the
     one the trainer checkpoints), so its values do not depend on the device; the init never runs on
     the device tensor itself."""
     from effpretrain.models.factorized.layers import init_on_cpu_

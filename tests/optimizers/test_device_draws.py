@@ -1,5 +1,5 @@
 """Random draws that define a method's state come from a CPU generator and are moved to the device
-(issue 37, G7): APOLLO's and GoLore's bases and randomized SVD's sketches are the same values on any
+(docs/gpu.md, G7): APOLLO's and GoLore's bases and randomized SVD's sketches are the same values on any
 hardware, so a run, its resume elsewhere and the CPU-vs-CUDA check draw the same bases.
 
 No GPU here: the device path is exercised with the ``meta`` device, which has no generator (a draw

@@ -1,4 +1,4 @@
-"""The optimizers' matrix math runs at full fp32 whatever the process's TF32 setting (issue 37, G9):
+"""The optimizers' matrix math runs at full fp32 whatever the process's TF32 setting (docs/gpu.md, G9):
 `optimizers.precision.full_fp32` turns every TF32 (and oneDNN bf16) setting off inside and puts the
 caller's back after, and each projection, orthogonalisation, whitening and refactorization entry
 point runs inside it; the model's own products keep the run's setting (`train.tf32`).
