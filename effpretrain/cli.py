@@ -118,6 +118,12 @@ def _add_estimate(sub) -> None:
     e.add_argument("--loss", default=TrainConfig.loss, choices=list(get_args(LossKind)), help="as train.loss")
     e.add_argument("--world-size", type=int, default=1)
     e.add_argument("--sharding", default="none", choices=["none", "ddp", "fsdp2"])
+    _add_weight_quant_args(e)
+    e.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _add_weight_quant_args(e) -> None:
+    """`estimate`'s settings of weights stored in fewer bits (train.weight_quant and its keys)."""
     e.add_argument(
         "--weight-quant",
         default="none",
@@ -141,7 +147,6 @@ def _add_estimate(sub) -> None:
         help="as train.stochastic_rounding: true (the default for --weight-quant int8); the rounding's "
         "noise is part of the writer's temporaries",
     )
-    e.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def _add_prepare(sub) -> None:

@@ -11,6 +11,7 @@ tokenizer, when the run used it, is saved beside the model.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -87,16 +88,52 @@ def _export_streaming(path: Path, cfg, out: Path) -> Path:
     current output file of at most `SHARD_BYTES`, with HF's index beside them; the model is never
     built, so the memory is one output file's tensors (no INT8 run is factorized: its quantized
     layers are plain linear ones, whose checkpoint keys are already HF's)."""
-    import json
-
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"export: --out {out} exists and is not empty")
     out.mkdir(parents=True, exist_ok=True)
+    shapes, n = _write_shards(_dequantized(path, cfg.train.weight_quant_group), out)
+    if "model.embed_tokens.weight" not in shapes:
+        raise ConfigError(f"export: checkpoint {path} holds no model.embed_tokens.weight")
+    hf = build_hf_config(cfg, shapes["model.embed_tokens.weight"][0])
+    hf.dtype = torch.float32
+    hf.save_pretrained(out)
+    _save_tokenizer(cfg, out)
+    log.info("exported %s (INT8 weights dequantized, %d file(s), streamed) to %s", path, n, out)
+    return out
+
+
+def _dequantized(path: Path, group: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, fp32 tensor) of each tensor of the checkpoint's model.safetensors, one at a time:
+    an INT8 weight's codes and scales (groups of `group` columns) dequantized."""
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        for k in list(f.keys()):
+            if k.endswith(SCALE_SUFFIX):
+                continue
+            if k.endswith(CODES_SUFFIX):
+                base = k[: -len(CODES_SUFFIX)]
+                yield (
+                    base + "weight",
+                    dequantize_int8(f.get_tensor(k), f.get_tensor(base + SCALE_SUFFIX), group),
+                )
+            else:
+                yield k, f.get_tensor(k).to(torch.float32)
+
+
+def _write_shards(
+    tensors: Iterable[tuple[str, torch.Tensor]], out: Path
+) -> tuple[dict[str, tuple[int, ...]], int]:
+    """Writes `tensors` into HF safetensors files of at most `SHARD_BYTES` each (one
+    model.safetensors, or model-i-of-n files with their index), holding one file's tensors at a
+    time; returns each tensor's shape and the number of files."""
+    import json
+
+    from safetensors.torch import save_file
+
     files: list[dict[str, torch.Tensor]] = [{}]
     index: dict[str, str] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     sizes = [0]
     total = 0
 
@@ -108,29 +145,15 @@ def _export_streaming(path: Path, cfg, out: Path) -> Path:
         if not last:
             sizes.append(0)
 
-    vocab = None
-    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-        keys = list(f.keys())
-        for k in keys:
-            if k.endswith(SCALE_SUFFIX):
-                continue
-            if k.endswith(CODES_SUFFIX):
-                base = k[: -len(CODES_SUFFIX)]
-                name = base + "weight"
-                t = dequantize_int8(
-                    f.get_tensor(k), f.get_tensor(base + SCALE_SUFFIX), cfg.train.weight_quant_group
-                )
-            else:
-                name, t = k, f.get_tensor(k).to(torch.float32)
-            if name == "model.embed_tokens.weight":
-                vocab = t.shape[0]
-            nbytes = t.numel() * t.element_size()
-            if sizes[-1] and sizes[-1] + nbytes > SHARD_BYTES:
-                flush()
-            files[-1][name] = t.contiguous()
-            sizes[-1] += nbytes
-            total += nbytes
-            index[name] = f"part-{len(sizes):05d}.safetensors"
+    for name, t in tensors:
+        shapes[name] = tuple(t.shape)
+        nbytes = t.numel() * t.element_size()
+        if sizes[-1] and sizes[-1] + nbytes > SHARD_BYTES:
+            flush()
+        files[-1][name] = t.contiguous()
+        sizes[-1] += nbytes
+        total += nbytes
+        index[name] = f"part-{len(sizes):05d}.safetensors"
     flush(last=True)
     n = len(sizes)
     renamed = {}
@@ -145,14 +168,7 @@ def _export_streaming(path: Path, cfg, out: Path) -> Path:
                 indent=2,
             )
         )
-    if vocab is None:
-        raise ConfigError(f"export: checkpoint {path} holds no model.embed_tokens.weight")
-    hf = build_hf_config(cfg, vocab)
-    hf.dtype = torch.float32
-    hf.save_pretrained(out)
-    _save_tokenizer(cfg, out)
-    log.info("exported %s (INT8 weights dequantized, %d file(s), streamed) to %s", path, n, out)
-    return out
+    return shapes, n
 
 
 def _factored_model(model: torch.nn.Module, cfg) -> torch.nn.Module:
