@@ -101,11 +101,13 @@ class OwnerPlaced:
     """What an optimizer needs to step its sharded whole-matrix weights on owner ranks: the
     ``whole_matrix`` choice, the placement (made on first use from the global shapes and the
     class's ``state_bytes`` formula) and `holds_state`. A class lists its whole-matrix weights in
-    `_whole_step_params` and calls `_init_owners` from its constructor."""
+    `_whole_step_params` and calls `_init_owners` from its constructor. An element-wise class
+    (every step on the local shard: SPAM, Stable-SPAM, LORO) does neither and keeps the defaults:
+    it uses the driver (`_placed_step`) for the closure, the placement and the dummy step only."""
 
-    whole_matrix: str
-    bucket_bytes: int
-    _owners: OwnerRanks | None
+    whole_matrix: str = "owner"
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    _owners: OwnerRanks | None = None
 
     def _init_owners(self, whole_matrix: str, bucket_bytes: int) -> None:
         if whole_matrix not in WHOLE_MATRIX_PATHS:
@@ -115,8 +117,15 @@ class OwnerPlaced:
         self._owners = None
 
     def _whole_step_params(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
-        """(parameter, group) of the sharded weights whose step needs the whole tensor, in order."""
-        raise NotImplementedError
+        """(parameter, group) of the sharded weights whose step needs the whole tensor, in order
+        (none for an element-wise class)."""
+        return []
+
+    def _flat_params(self) -> list[torch.Tensor]:
+        """The optimizer's parameters in order: ``_flat_params()[index]`` is the parameter behind
+        `_placed_step`'s `step_one(..., index)`, for a rule that needs more than its local tensors
+        (an FSDP2 shard's process group for whole-tensor statistics, the writer's row offsets)."""
+        return [q for group in self.param_groups for q in group["params"]]  # type: ignore[attr-defined]
 
     def owner_ranks(self) -> OwnerRanks | None:
         """The owner placement of the sharded whole-matrix weights (None when there are none, or

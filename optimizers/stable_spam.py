@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from optimizers._adam import adamw_step_
+from optimizers._owners import OwnerPlaced
 from optimizers._sharded import local as _local
 from optimizers._sharded import shard_group as _shard_group
 from optimizers._sharded import whole_max_abs as _whole_max_abs
@@ -46,7 +47,7 @@ def _cosine(progress: float) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(max(progress, 0.0), 1.0)))
 
 
-class StableSPAM(torch.optim.Optimizer):
+class StableSPAM(OwnerPlaced, torch.optim.Optimizer):
     r"""Stable-SPAM: AdamW with adaptive clipping, adaptive norm scaling and momentum reset.
 
     The default, ``rule="official"``, is the rule of the official code (TianjinYellow/StableSPAM,
@@ -213,27 +214,34 @@ class StableSPAM(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Performs one optimization step (see the class docstring for the rule)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("StableSPAM does not support sparse gradients")
-                self._step_param(p, group)
-        return loss
+        """Performs one optimization step (see the class docstring for the rule), placed by
+        `OwnerPlaced._placed_step`: an FSDP2 shard steps alone, its statistics those of the whole
+        tensor (reduced over the parameter's process group). Every gradient steps, a zero one
+        included (the reset schedule and the annealing count every step a tensor takes)."""
+        params = self._flat_params()
+        return self._placed_step(
+            closure,
+            steps_whole=lambda group, p: False,
+            step_one=lambda w, g, state, group, index: self._step_param(params[index], w, g, state, group),
+            init_state=lambda ref, group, state, index: self._init_state(ref, state),
+            skip_zero=False,
+        )
 
-    def _step_param(self, p: torch.Tensor, group: dict[str, Any]) -> None:
-        """Steps 0-4 of the class docstring for one parameter."""
-        state = self.state[p]
-        if "exp_avg" not in state:
-            _init_adam_state(state, p)
-            for key in self._FP32_KEYS:
-                state[key] = torch.zeros((), dtype=torch.float32, device=p.device)
+    def _init_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
+        _init_adam_state(state, p)
+        for key in self._FP32_KEYS:
+            state[key] = torch.zeros((), dtype=torch.float32, device=p.device)
+
+    def _step_param(
+        self,
+        p: torch.Tensor,
+        w: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+    ) -> None:
+        """Steps 0-4 of the class docstring for parameter `p`, whose local tensor is `w` and local
+        gradient `grad` (`p` itself only names the process group of an FSDP2 shard's statistics)."""
         official = group["rule"] == "official"
         interval = group["reset_interval"]
         state["global_step"] += 1
@@ -247,7 +255,6 @@ class StableSPAM(torch.optim.Optimizer):
         t_stats = k if official else t
 
         shards = _shard_group(p)
-        grad = _local(p.grad)
         if group["adaptive_clip"]:
             grad = _adaptive_clip(grad, state["exp_avg_max"], group, t_stats, shards)
         if group["norm_scaling"]:
@@ -255,7 +262,7 @@ class StableSPAM(torch.optim.Optimizer):
 
         beta1, beta2 = group["betas"]
         adamw_step_(
-            _local(p),
+            w,
             grad,
             _local(state["exp_avg"]),
             _local(state["exp_avg_sq"]),
@@ -326,7 +333,7 @@ def _norm_scale(
     return grad * factor.to(grad.dtype)
 
 
-class SPAM(torch.optim.Optimizer):
+class SPAM(OwnerPlaced, torch.optim.Optimizer):
     r"""SPAM: spike-aware AdamW with periodic momentum reset and a cosine re-warm after resets.
 
     For each parameter tensor with gradient G at global step t (1-based, counted per tensor),
@@ -431,54 +438,51 @@ class SPAM(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Performs one optimization step (see the class docstring for the rule)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        """Performs one optimization step (see the class docstring for the rule), placed by
+        `OwnerPlaced._placed_step`: element-wise, so an FSDP2 shard steps alone. Every gradient
+        steps, a zero one included (the reset schedule counts every step a tensor takes)."""
+        return self._placed_step(
+            closure,
+            steps_whole=lambda group, p: False,
+            step_one=lambda w, g, state, group, index: self._step_param(w, g, state, group),
+            init_state=lambda ref, group, state, index: _init_adam_state(state, ref),
+            skip_zero=False,
+        )
 
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            interval, threshold = group["reset_interval"], group["threshold"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("SPAM does not support sparse gradients")
-                state = self.state[p]
-                if "exp_avg" not in state:
-                    _init_adam_state(state, p)
+    def _step_param(
+        self, w: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
+    ) -> None:
+        """Steps 1-3 of the class docstring for one (local) tensor."""
+        beta1, beta2 = group["betas"]
+        interval, threshold = group["reset_interval"], group["threshold"]
+        state["global_step"] += 1
+        t = state["global_step"]
+        if interval > 0 and t % interval == 0:
+            state["exp_avg"].zero_()
+            state["exp_avg_sq"].zero_()
+            if group["reset_step_counter"]:
+                state["step"] = 0
+        state["step"] += 1
 
-                state["global_step"] += 1
-                t = state["global_step"]
-                if interval > 0 and t % interval == 0:
-                    state["exp_avg"].zero_()
-                    state["exp_avg_sq"].zero_()
-                    if group["reset_step_counter"]:
-                        state["step"] = 0
-                state["step"] += 1
+        since_reset = t % interval if interval > 0 else t
+        if threshold > 0 and since_reset >= group["clip_delay"]:
+            bound = _local(state["exp_avg_sq"]) * threshold
+            spike = grad * grad > bound
+            grad = torch.where(spike, grad.sign() * bound.sqrt(), grad)
 
-                grad = _local(p.grad)  # element-wise rule: a shard steps alone
-                since_reset = t % interval if interval > 0 else t
-                if threshold > 0 and since_reset >= group["clip_delay"]:
-                    bound = _local(state["exp_avg_sq"]) * threshold
-                    spike = grad * grad > bound
-                    grad = torch.where(spike, grad.sign() * bound.sqrt(), grad)
-
-                adamw_step_(
-                    _local(p),
-                    grad,
-                    _local(state["exp_avg"]),
-                    _local(state["exp_avg_sq"]),
-                    state["step"],
-                    group["lr"],
-                    beta1,
-                    beta2,
-                    group["eps"],
-                    group["weight_decay"],
-                    lr_mult=self.lr_multiplier(group, t),
-                )
-        return loss
+        adamw_step_(
+            w,
+            grad,
+            _local(state["exp_avg"]),
+            _local(state["exp_avg_sq"]),
+            state["step"],
+            group["lr"],
+            beta1,
+            beta2,
+            group["eps"],
+            group["weight_decay"],
+            lr_mult=self.lr_multiplier(group, t),
+        )
 
 
 def _load_state_dict_keep_fp32(
