@@ -67,6 +67,7 @@ import torch
 from torch import Tensor
 
 from optimizers import FACTOR_PAIRS_KEY as PAIRS_KEY
+from optimizers._owners import OwnerPlaced
 from optimizers._sharded import is_dtensor, local, shard_group, whole, write_whole_
 from optimizers.precision import full_fp32
 from optimizers.projected_adam import ADAM_CONVENTIONS, _decay, adam_update
@@ -144,7 +145,7 @@ def _all_zero(grads: list[Tensor]) -> bool:
     return not bool(flag)
 
 
-class LOROAdamW(torch.optim.Optimizer):
+class LOROAdamW(OwnerPlaced, torch.optim.Optimizer):
     """LORO over factor-pair groups, Adam over the rest (see the module docstring for the maths).
 
     Args:
@@ -227,88 +228,121 @@ class LOROAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ steps
 
-    def _init_state(self, p: Tensor, paired: bool) -> dict[str, Any]:
-        state = self.state[p]
-        if not state:
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(p)  # an FSDP2 shard stays a shard
-            state["exp_avg_sq"] = torch.zeros_like(p)
-            if paired:
-                state[LORO_STEP] = 0
-        return state
+    @staticmethod
+    def _init_state(p: Tensor, state: dict[str, Any], paired: bool) -> None:
+        state["step"] = 0
+        state["exp_avg"] = torch.zeros_like(p)  # an FSDP2 shard stays a shard
+        state["exp_avg_sq"] = torch.zeros_like(p)
+        if paired:
+            state[LORO_STEP] = 0
 
-    def _adam(self, p: Tensor, state: dict[str, Any], group: dict[str, Any]) -> tuple[Tensor, float]:
+    @staticmethod
+    def _adam(grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> tuple[Tensor, float]:
         """Counts Adam's step and advances the moments: (N, eta_t) on this rank's shard."""
         state["step"] += 1
-        return adam_update(
-            local(state["exp_avg"]), local(state["exp_avg_sq"]), local(p.grad), state["step"], group
-        )
+        return adam_update(local(state["exp_avg"]), local(state["exp_avg_sq"]), grad, state["step"], group)
 
-    def _plain_step(self, p: Tensor, group: dict[str, Any]) -> None:
-        state = self._init_state(p, paired=group[PAIRS_KEY])
-        norm, step_size = self._adam(p, state, group)
+    @staticmethod
+    def _write(p: Tensor, norm: Tensor, step_size: float, group: dict[str, Any]) -> None:
+        # Through the parameter itself, not its local view: the writer keys an FSDP2 shard's
+        # rounding noise by the parameter's plan and the shard's row offset.
         with written(p) as w:
             _decay(w, group, before=True)
             w.add_(norm, alpha=-step_size)
             _decay(w, group, before=False)
 
-    def _pair_step(self, B: Tensor, A: Tensor, group: dict[str, Any]) -> None:
-        """One update of the pair: Adam directions for both, then the lazy or the exact step."""
-        states = [self._init_state(p, paired=True) for p in (B, A)]
-        (nB, eta), (nA, _) = (self._adam(p, st, group) for p, st in zip((B, A), states))
-        for st in states:
-            st[LORO_STEP] += 1
-        if states[0][LORO_STEP] % group["exact_every"] == 0:
-            new_B, new_A = riemannian_step(whole(B), whole(A), _whole_like(B, nB), _whole_like(A, nA), eta)
-            write_whole_(B, new_B)
-            write_whole_(A, new_A)
-            return
-        scale = group["lazy_lr_scale"]
-        if scale is None:
-            scale = B.shape[1] / min(B.shape[0], A.shape[1])
-        for p, norm in ((B, nB), (A, nA)):
-            with written(p) as w:
-                _decay(w, group, before=True)
-                w.add_(norm, alpha=-eta * scale)
-                _decay(w, group, before=False)
-
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One update: lazy or exact steps for the pairs, Adam for everything else.
+        """One update, placed by `OwnerPlaced._placed_step` (the closure, then every parameter
+        with a gradient on its local shard, at full fp32: the QRs and SVD of the exact step): lazy
+        or exact steps for the pairs, Adam for everything else.
+
+        A pair's update is per parameter where it can be: B's Adam direction (and its lazy step),
+        then A's, whose step also makes the pair's exact step when it is due (B, stepped just
+        before it, waits for it). Parameters are stepped in order and a pair's B and A are
+        neighbours in it, so this is the order of the pair-at-once rule.
 
         Args:
             closure: re-evaluates the model and returns the loss (run with grad enabled).
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        with full_fp32():  # after the closure: the model's own products keep the run's precision
-            self._step_all()
-        return loss
+        params = self._flat_params()
+        partner: dict[int, int] = {}  # a paired parameter's index -> its partner's
+        start = 0
+        for group in self.param_groups:
+            if group[PAIRS_KEY]:
+                for b in range(start, start + len(group["params"]), 2):
+                    partner[b], partner[b + 1] = b + 1, b
+            start += len(group["params"])
+        waiting: dict[int, tuple[Tensor, float]] = {}  # a B's (N, eta_t), until its A's step
 
-    def _step_all(self) -> None:
+        def step_one(w: Tensor, g: Tensor, state: dict[str, Any], group: dict[str, Any], index: int) -> None:
+            mate = partner.get(index)
+            if mate is None or params[mate].grad is None:
+                # Not paired, or half a pair: no Riemannian step can be formed, Adam alone.
+                norm, eta = self._adam(g, state, group)
+                self._write(params[index], norm, eta, group)
+            else:
+                self._pair_part(params, index, mate, g, state, group, waiting)
+
+        return self._placed_step(
+            closure,
+            steps_whole=lambda group, p: False,
+            step_one=step_one,
+            init_state=lambda ref, group, state, index: self._init_state(ref, state, group[PAIRS_KEY]),
+            skip_zero=False,
+            fp32_math=True,
+        )
+
+    def _pair_part(
+        self,
+        params: list[Tensor],
+        index: int,
+        mate: int,
+        grad: Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        waiting: dict[int, tuple[Tensor, float]],
+    ) -> None:
+        """One factor's part of its pair's update (B first, then A; see `step`): its Adam
+        direction, then the lazy step, or, at A when the pair's count reaches a multiple of K, the
+        exact step of both. Both lazy steps use B's eta_t, as the exact step does."""
+        norm, eta = self._adam(grad, state, group)
+        state[LORO_STEP] += 1
+        is_b = mate > index
+        b, a = (index, mate) if is_b else (mate, index)
+        B, A = params[b], params[a]
+        exact = self.state[B][LORO_STEP] % group["exact_every"] == 0
+        if is_b:
+            waiting[b] = (norm, eta)
+            if exact:
+                return
+        else:
+            nB, eta = waiting.pop(b)
+            if exact:
+                new_B, new_A = riemannian_step(
+                    whole(B), whole(A), _whole_like(B, nB), _whole_like(A, norm), eta
+                )
+                write_whole_(B, new_B)
+                write_whole_(A, new_A)
+                return
+        scale = group["lazy_lr_scale"]
+        if scale is None:
+            scale = B.shape[1] / min(B.shape[0], A.shape[1])
+        self._write(params[index], norm, eta * scale, group)
+
+    def _step_placed(self, *args: Any, **kwargs: Any) -> None:
+        """The driver's step after the closure, but for LORO's dummy step, which is one decision
+        over every parameter (not the driver's per-parameter `skip_zero`, which could step one
+        factor of a pair and not the other): a first step with no state yet on all-zero gradients
+        (a distributed-checkpoint loader's) only allocates the state, as `Restarts` does not count
+        it either."""
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not grads:
             return
         if not self.state and _all_zero(grads):
-            # A checkpoint loader's state-materialising step: allocate, move nothing, count nothing.
             for g in self.param_groups:
                 for p in g["params"]:
                     if p.grad is not None:
-                        self._init_state(p, paired=g[PAIRS_KEY])
+                        self._init_state(p, self.state[p], g[PAIRS_KEY])
             return
-        for group in self.param_groups:
-            params = group["params"]
-            if not group[PAIRS_KEY]:
-                for p in params:
-                    if p.grad is not None:
-                        self._plain_step(p, group)
-                continue
-            for B, A in zip(params[::2], params[1::2]):
-                if B.grad is not None and A.grad is not None:
-                    self._pair_step(B, A, group)
-                else:  # half a pair: no Riemannian step can be formed, Adam on what has a gradient
-                    for p in (B, A):
-                        if p.grad is not None:
-                            self._plain_step(p, group)
+        super()._step_placed(*args, **kwargs)
