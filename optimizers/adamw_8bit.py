@@ -17,12 +17,13 @@ from typing import Any, ClassVar
 import torch
 
 from optimizers._owners import DEFAULT_BUCKET_BYTES, OwnerPlaced
-from optimizers._sharded import is_dtensor, local, whole, write_whole_
+from optimizers._sharded import is_dtensor
 from optimizers._streams import legacy_stream, ordered_on
-from optimizers.writer import needs_writer, value_fp32
+from optimizers.writer import needs_writer, written
 
 try:
     import bitsandbytes as bnb
+    from bitsandbytes.utils import sync_gpu
 except ImportError as err:  # the registry imports this module lazily, so only users of adamw_8bit see this
     raise ImportError(
         "optimizer 'adamw_8bit' needs bitsandbytes (>= 0.45): pip install bitsandbytes"
@@ -106,124 +107,86 @@ class AdamW8bit(OwnerPlaced, bnb.optim.AdamW8bit):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        """bitsandbytes' step; under FSDP2 each sharded weight steps whole (see below).
+        """bitsandbytes' update of every parameter with a gradient, placed by
+        `OwnerPlaced._placed_step` (the closure, then one parameter at a time, `_bnb_one`).
 
         bitsandbytes' kernels take plain tensors, and its block-wise quantisation is not
-        element-wise, so a DTensor weight steps as the whole tensor (the same blocks, hence the
-        same numbers, as a single process). ``whole_matrix="owner"`` (default): once, on the
-        weight's owner rank, which receives the row shards of W and G, holds the 8-bit state and
+        element-wise, so under FSDP2 a DTensor weight steps as the whole tensor (the same blocks,
+        hence the same numbers, as a single process). ``whole_matrix="owner"`` (default): once, on
+        the weight's owner rank, which receives the row shards of W and G, holds the 8-bit state and
         returns every rank its rows (optimizers/_owners.py), so each rank holds about 1/N of the
-        state. ``"gather"``: every rank all-gathers W and G and steps it, keeping its own rows;
-        the state is then whole on every rank.
+        state. ``"gather"``: every rank all-gathers W and G and steps it, keeping its own rows; the
+        state is then whole on every rank. A zero gradient steps like any other, as in
+        bitsandbytes' own step.
         """
-        sharded = [(g, i, p) for g in self.param_groups for i, p in enumerate(g["params"]) if is_dtensor(p)]
-        rounded = [
-            p
-            for g in self.param_groups
-            for p in g["params"]
-            if p.grad is not None and not is_dtensor(p) and needs_writer(p)
-        ]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if rounded:
-            # A weight stored in fewer bits (bf16, INT8) steps as an fp32 copy (bitsandbytes'
-            # kernel writes its parameter in place), written back once through the writer.
-            # One weight at a time (the estimator's writer term: one fp32 value and gradient alive).
-            for p in rounded:
-                for q, full in self._step_whole({p: (value_fp32(p), p.grad)}).items():
-                    write_whole_(q, full)
-                del full
-        held = [(p, p.grad) for p in rounded]
-        for p in rounded:
-            p.grad = None
-        try:
-            if not sharded:
-                self._bnb_step()
-                return loss
-        finally:
-            for p, grad in held:
-                p.grad = grad
-        owners = self.owner_ranks()
-        if owners is None:
-            stepped = self._step_whole(
-                {p: (whole(p), whole(p.grad)) for _, _, p in sharded if p.grad is not None}
-            )
-            for p, full in stepped.items():
-                write_whole_(p, full)
-            return loss
-        for bucket in owners.buckets([p for _, _, p in sharded if p.grad is not None]):
-            owners.scatter(bucket, self._step_whole(owners.gather(bucket)))
-        return loss
+        if not self.initialized:  # bitsandbytes' once-per-optimizer set-up of its own step
+            self.check_overrides()
+            self.to_gpu()
+            self.initialized = True
+        params = self._flat_params()
+        # bitsandbytes reads a parameter's config by (group index, position in the group).
+        where = [(gi, pi) for gi, g in enumerate(self.param_groups) for pi in range(len(g["params"]))]
 
-    def _step_whole(
-        self, wholes: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
-    ) -> dict[torch.Tensor, torch.Tensor]:
-        """bitsandbytes' step of the weights in `wholes` (param -> whole W, G) only: each is swapped
-        into its group as a plain tensor for the step (its state moved along), every other weight's
-        gradient is hidden. Returns param -> the stepped whole W."""
-        swaps, hidden = [], []
-        for group in self.param_groups:
-            for i, p in enumerate(group["params"]):
-                if p in wholes:
-                    full, grad = wholes[p]
-                    # bitsandbytes steps a gradient of its weight's dtype: a rounded weight's
-                    # fp32 value takes an fp32 copy of its (bf16) gradient.
-                    full.grad = grad if grad.dtype == full.dtype else grad.to(full.dtype)
-                    if p in self.state:
-                        self.state[full] = self.state.pop(p)
-                    group["params"][i] = full
-                    swaps.append((group, i, p, full))
-                elif p.grad is not None:
-                    hidden.append((p, p.grad))
-                    p.grad = None
-        try:
-            self._bnb_step()
-        finally:
-            # Restored even on error: param_groups and state are keyed by the real parameters.
-            for p, grad in hidden:
-                p.grad = grad
-            for group, i, p, full in swaps:
-                group["params"][i] = p
-                if full in self.state:
-                    self.state[p] = self.state.pop(full)
-                full.grad = None
-        return {p: full.detach() for _, _, p, full in swaps}
+        def step_one(
+            w: torch.Tensor, g: torch.Tensor, state: dict[str, Any], group: dict[str, Any], i: int
+        ) -> None:
+            if w is params[i] and needs_writer(w):
+                # A weight stored in fewer bits (bf16, INT8) steps as its fp32 value (bitsandbytes'
+                # kernel writes its parameter in place), written back once through the writer.
+                with written(w) as value:
+                    self._bnb_one(value, g, state, group, *where[i])
+            else:  # the parameter itself, or the whole tensor (or fp32 value) standing for it
+                self._bnb_one(w, g, state, group, *where[i])
 
-    def _bnb_step(self) -> None:
-        """bitsandbytes' step of every parameter with a gradient, on the stream its kernels use.
+        return self._placed_step(
+            closure, steps_whole=lambda group, p: True, step_one=step_one, skip_zero=False
+        )
+
+    def _bnb_one(
+        self,
+        weight: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        gindex: int,
+        pindex: int,
+    ) -> None:
+        """bitsandbytes' step of one plain tensor `weight` with gradient `grad` and the parameter's
+        `state` (allocated on its first step): `weight` is the parameter itself, or a whole tensor
+        or fp32 value standing for it, which takes the parameter's state dict for the step.
 
         bitsandbytes' own ``Optimizer8bit.step`` calls ``torch.cuda.synchronize()`` after every
         parameter (``sync_gpu``): a host-device synchronisation per parameter that drains the
         launch queue. Its kernels launch on the legacy default stream, so what orders them is
-        the stream, not the host: here the whole loop (its state allocation, ``update_step``'s
-        kernels) runs on that stream, ordered both ways with the caller's stream
-        (`optimizers._streams.ordered_on`), and nothing synchronises the host. Paged state is
-        prefetched asynchronously through unified memory, which does need bitsandbytes' own
-        synchronising loop: ``is_paged`` steps through it unchanged.
+        the stream, not the host: here the state allocation and ``update_step``'s kernels run on
+        that stream, ordered both ways with the caller's stream (`optimizers._streams.ordered_on`),
+        and nothing synchronises the host. Paged state is prefetched asynchronously through
+        unified memory, which does need bitsandbytes' synchronisation: ``is_paged`` steps as its
+        loop does.
         """
-        if self.is_paged:
-            super().step()
-            return
-        if not self.initialized:
-            self.check_overrides()
-            self.to_gpu()
-            self.initialized = True
-        work = [
-            (gi, pi, group, p)
-            for gi, group in enumerate(self.param_groups)
-            for pi, p in enumerate(group["params"])
-            if p.grad is not None
-        ]
-        if not work:
-            return
-        device = local(work[0][3]).device
-        with ordered_on(legacy_stream(device), device, used=[p.grad for *_, p in work]):
-            for gi, pi, group, p in work:
-                if not self.state[p]:
-                    self.init_state(group, p, gi, pi)
-                self.update_step(group, p, gi, pi)
+        stand_in = self.state.get(weight) is not state
+        if stand_in:
+            # bitsandbytes steps ``p`` by ``p.grad`` and ``self.state[p]``, and steps a gradient of
+            # its weight's dtype (a rounded weight's fp32 value takes an fp32 copy of its gradient).
+            weight.grad = grad if grad.dtype == weight.dtype else grad.to(weight.dtype)
+            self.state[weight] = state
+        try:
+            if self.is_paged:
+                if not state:
+                    self.init_state(group, weight, gindex, pindex)
+                self.prefetch_state(weight)
+                self.update_step(group, weight, gindex, pindex)
+                sync_gpu(weight)
+                return
+            device = weight.device
+            with ordered_on(legacy_stream(device), device, used=[weight.grad]):
+                if not state:
+                    self.init_state(group, weight, gindex, pindex)
+                self.update_step(group, weight, gindex, pindex)
+        finally:
+            if stand_in:  # state and param_groups stay keyed by the real parameters
+                del self.state[weight]
+                weight.grad = None
 
     def load_state_dict(self, state_dict: dict[str, Any], move_to_device: bool = True) -> None:
         """bitsandbytes' load, then the quantile maps shared again.
