@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,14 +45,67 @@ def head_group(method: str, head_dim: int) -> dict[str, Any]:
 def projection_group(optim_cfg: Any) -> dict[str, Any]:
     """The group options a projected param gets from an OptimConfig (also used by the trainer):
     the registry row's `projection_group`."""
-    o = optim_cfg
-    return optimizers.method_spec(o.name).projection_group(
+    return _projection_options(optimizers.method_spec(optim_cfg.name), optim_cfg)
+
+
+def _projection_options(spec: optimizers.MethodSpec, o: Any) -> dict[str, Any]:
+    return spec.projection_group(
         rank=o.rank,
         update_proj_gap=o.update_proj_gap,
         scale=o.scale,
         proj_type=o.proj_type,
         basis=o.basis,
         extra=o.extra,
+    )
+
+
+@dataclass(frozen=True)
+class OptimPlan:
+    """A run's optimizer method resolved once: its registry row and the options of each kind of
+    param group, which the trainer's param groups (`build_param_groups`) and the estimator's tally
+    (`effpretrain.memory`) both build from. `optim_plan` makes it with the one registry lookup of
+    a build; nothing that holds a plan looks the method up again.
+
+    Attributes:
+        spec: the method's registry row.
+        weight_decay: lambda of the decayed groups (vectors and biases get 0).
+        projected: a projected target's group options (`MethodSpec.projection_group`), or None
+            when the method does not project.
+        heads: the query and key weights' group options (`MethodSpec.head_block_group`; empty
+            without head blocks).
+        bias: a linear layer's bias's group options under head blocks (`MethodSpec.bias_group`).
+        matrix: a whole-matrix group's options by role (`MethodSpec.matrix_group`; empty for a
+            method without whole-matrix groups).
+    """
+
+    spec: optimizers.MethodSpec
+    weight_decay: float
+    projected: Mapping[str, Any] | None
+    heads: Mapping[str, Any] = field(default_factory=dict)
+    bias: Mapping[str, Any] = field(default_factory=dict)
+    matrix: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+
+def optim_plan(optim_cfg: Any, head_dim: int, name: str | None = None) -> OptimPlan:
+    """The `OptimPlan` of an OptimConfig for a model whose attention heads have `head_dim` entries
+    per row block (`_head_dim`; the estimator's `ModelShape.dim`); `name` names the method when it
+    is not ``optim_cfg.name`` (the estimator's `method` argument).
+
+    Raises:
+        ValueError: an unknown method (naming the choices).
+    """
+    o = optim_cfg
+    spec = optimizers.method_spec(name or o.name)
+    heads = spec.head_block_group(head_dim)
+    return OptimPlan(
+        spec=spec,
+        weight_decay=o.weight_decay,
+        projected=_projection_options(spec, o) if spec.projects else None,
+        heads=heads,
+        bias=spec.bias_group() if heads else {},
+        matrix={role: spec.matrix_group(role) for role in ("hidden", "embedding", "head")}
+        if spec.matrix_params is not None
+        else {},
     )
 
 
@@ -176,29 +231,32 @@ def build_param_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict[str,
     the others (no gradient) and makes no state for them.
     """
 
-    o = cfg.optim
-    spec = optimizers.method_spec(o.name)
+    return _param_groups(model, cfg, optim_plan(cfg.optim, _head_dim(model)))
+
+
+def _param_groups(model: torch.nn.Module, cfg: RunConfig, plan: OptimPlan) -> list[dict[str, Any]]:
+    """`build_param_groups` from a resolved `plan`."""
     warm = warm_start_layers(model) if cfg.factor.warm_start_steps else []
-    heads = head_group(o.name, _head_dim(model))
-    proj, head, matrix, decay, no_decay, bias = _sort_params(model, cfg, warm, bool(heads))
-    _check_projected(proj, cfg)
+    proj, head, matrix, decay, no_decay, bias = _sort_params(model, cfg, warm, plan)
+    _check_projected(proj, cfg, plan.spec)
+    wd = plan.weight_decay
     groups = []
-    if spec.steps_factor_pairs:
-        groups.append(_factor_pair_group(model, cfg, decay))
+    if plan.spec.steps_factor_pairs:
+        groups.append(_factor_pair_group(model, cfg, decay, wd))
     if proj:
-        groups.append({"params": proj, "weight_decay": o.weight_decay, **projection_group(o)})
+        groups.append({"params": proj, "weight_decay": wd, **(plan.projected or {})})
     if head:
-        groups.append({"params": head, "weight_decay": o.weight_decay, **heads})
+        groups.append({"params": head, "weight_decay": wd, **plan.heads})
     for role, params in matrix.items():
-        groups.append({"params": params, "weight_decay": o.weight_decay, **spec.matrix_group(role)})
+        groups.append({"params": params, "weight_decay": wd, **plan.matrix[role]})
     if decay:
-        groups.append({"params": decay, "weight_decay": o.weight_decay})
+        groups.append({"params": decay, "weight_decay": wd})
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
     if bias:
-        groups.append({"params": bias, "weight_decay": 0.0, **spec.bias_group()})
+        groups.append({"params": bias, "weight_decay": 0.0, **plan.bias})
     if warm:
-        groups.append({"params": [layer.weight for layer in warm], "weight_decay": o.weight_decay})
+        groups.append({"params": [layer.weight for layer in warm], "weight_decay": wd})
     return groups
 
 
@@ -213,7 +271,7 @@ def check_param_groups(cfg: RunConfig) -> None:
 
 
 def _sort_params(
-    model: torch.nn.Module, cfg: RunConfig, warm: list[Any], heads: bool
+    model: torch.nn.Module, cfg: RunConfig, warm: list[Any], plan: OptimPlan
 ) -> tuple[list, list, dict[str, list], list, list, list]:
     """Every trainable parameter (and a warm start's factors) by rule: projected, head-blocked,
     whole-matrix (by role), decayed matrix, undecayed vector, and (with head blocks) a linear
@@ -225,7 +283,7 @@ def _sort_params(
     Raises:
         ConfigError: a module named in ``optim.targets`` is not a linear layer (`_check_target`).
     """
-    spec = optimizers.method_spec(cfg.optim.name)
+    spec, heads = plan.spec, bool(plan.heads)
     targets = set(cfg.optim.targets)
     w0s = {id(layer.weight) for layer in warm}
     phased = w0s | {id(p) for layer in warm for p in layer.factor_pair()}
@@ -277,10 +335,9 @@ def _check_target(name: str, module: torch.nn.Module, cfg: RunConfig) -> None:
     )
 
 
-def _check_projected(proj: list[torch.Tensor], cfg: RunConfig) -> None:
+def _check_projected(proj: list[torch.Tensor], cfg: RunConfig, spec: optimizers.MethodSpec) -> None:
     """ConfigError when a projection method's targets match nothing or its rank exceeds a matrix."""
     o = cfg.optim
-    spec = optimizers.method_spec(o.name)
     if spec.projects and not proj:
         raise ConfigError(
             f"optim.targets={sorted(set(o.targets))} matched no linear weight to project "
@@ -293,7 +350,9 @@ def _check_projected(proj: list[torch.Tensor], cfg: RunConfig) -> None:
             )
 
 
-def _factor_pair_group(model: torch.nn.Module, cfg: RunConfig, decay: list[torch.Tensor]) -> dict[str, Any]:
+def _factor_pair_group(
+    model: torch.nn.Module, cfg: RunConfig, decay: list[torch.Tensor], weight_decay: float
+) -> dict[str, Any]:
     """For a method that `steps_factor_pairs` (LORO): every factorized layer's B and A, in that
     order, in one group marked `optimizers.FACTOR_PAIRS_KEY`, taken out of `decay`.
 
@@ -309,21 +368,22 @@ def _factor_pair_group(model: torch.nn.Module, cfg: RunConfig, decay: list[torch
     pairs = [p for pair in factor_pairs(model) for p in pair]
     paired = {id(p) for p in pairs}
     decay[:] = [p for p in decay if id(p) not in paired]
-    return {"params": pairs, "weight_decay": cfg.optim.weight_decay, optimizers.FACTOR_PAIRS_KEY: True}
+    return {"params": pairs, "weight_decay": weight_decay, optimizers.FACTOR_PAIRS_KEY: True}
 
 
-def optimizer_kwargs(cfg: RunConfig) -> dict[str, Any]:
+def optimizer_kwargs(cfg: RunConfig, spec: optimizers.MethodSpec | None = None) -> dict[str, Any]:
     """Constructor keywords: the common Adam settings, `optim.extra` (without the basis options,
     which go to projected groups), the run length for methods that need it and `dist.whole_matrix`
     for methods with whole-matrix steps (the registry).
     ``optim.eps`` null passes no eps, so the method's own reference value applies (GaLore, Fira,
-    APOLLO and SPAM use 1e-6, AdamW 1e-8: one fixed default would be wrong for half of them)."""
+    APOLLO and SPAM use 1e-6, AdamW 1e-8: one fixed default would be wrong for half of them).
+    `spec`: the method's registry row when the caller has resolved it (`OptimPlan.spec`)."""
     o = cfg.optim
     kw: dict[str, Any] = {"lr": o.lr, "betas": (o.beta1, o.beta2), "weight_decay": o.weight_decay}
     if o.eps is not None:
         kw["eps"] = o.eps
     kw.update(o.extra)
-    spec = optimizers.method_spec(o.name)
+    spec = spec or optimizers.method_spec(o.name)
     if spec.whole_matrix_steps:
         kw["whole_matrix"] = cfg.dist.whole_matrix
     kw.update(spec.restart_kwargs(cfg.restarts.every))
@@ -372,9 +432,10 @@ def build_optimizer_and_schedule(
             or a warm start is asked of a kind that has none (`warm_start_steps`).
     """
     warm_start_steps(cfg)
-    groups = build_param_groups(model, cfg)
+    plan = optim_plan(cfg.optim, _head_dim(model))
+    groups = _param_groups(model, cfg, plan)
     try:
-        opt = optimizers.build_optimizer(cfg.optim.name, groups, **optimizer_kwargs(cfg))
+        opt = plan.spec.build(groups, **optimizer_kwargs(cfg, plan.spec))
     except (ValueError, TypeError) as e:
         raise ConfigError(f"optim: {e}") from None
     if cfg.restarts.every > 0:

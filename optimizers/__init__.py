@@ -319,6 +319,11 @@ class MethodSpec:
         """The constructor keyword that takes the restart period `every`, if the method has one."""
         return {self.restart_period_arg: every} if self.restart_period_arg and every > 0 else {}
 
+    def build(self, param_groups: Iterable[dict[str, Any]], **kwargs: Any) -> torch.optim.Optimizer:
+        """The optimizer over `param_groups` (torch format) with defaults `kwargs` (plus the
+        method's own `defaults`, e.g. torch AdamW's foreach path)."""
+        return self.cls(list(param_groups), **{**self.defaults, **kwargs})
+
     def state_bytes(self, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:
         """Exact bytes of optimizer state one parameter of `shape`/`dtype` holds after >= 1 step."""
         fn = self.state_bytes_fn or self.cls.state_bytes
@@ -511,8 +516,7 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """Constructs optimizer `name` over `param_groups` (torch format) with defaults `kwargs`
     (plus the method's own defaults from the registry, e.g. torch AdamW's foreach path)."""
-    spec = method_spec(name)
-    return spec.cls(list(param_groups), **{**spec.defaults, **kwargs})
+    return method_spec(name).build(param_groups, **kwargs)
 
 
 def state_bytes(name: str, shape: tuple[int, ...], group: dict[str, Any], dtype: torch.dtype) -> int:

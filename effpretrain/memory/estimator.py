@@ -32,7 +32,7 @@ from effpretrain.memory.terms import (
 )
 from effpretrain.models.factorized import factor_spec
 from effpretrain.models.llama import ModelShape, model_shape, resolve_shape
-from effpretrain.optim_setup import head_group, projection_group
+from effpretrain.optim_setup import optim_plan
 
 
 @dataclass
@@ -310,10 +310,10 @@ def _param_tally(
 ) -> _Tally:
     """Weights, gradients and optimizer state per parameter, sharded as the run shards them."""
     optim_cfg = o.optim_cfg or OptimConfig(name=method)
-    mspec = optimizers.method_spec(method)
+    plan = optim_plan(optim_cfg, p.dim, name=method)  # the groups the trainer builds, resolved once
     shard = o.world_size if o.sharding == "fsdp2" else 1
     extra = {k: v for k, v in optim_cfg.extra.items() if k not in optimizers.PROJECTION_GROUP_EXTRAS}
-    t = _Tally(mspec, prec.params, shard, options=extra)
+    t = _Tally(plan.spec, prec.params, shard, options=extra)
     t.int8_group = o.weight_quant_group if o.weight_quant == "int8" else 0
     t.int8_embeddings = t.int8_group > 0 and o.weight_quant_embeddings
     t.stochastic = o.weight_quant == "int8" if o.stochastic_rounding is None else bool(o.stochastic_rounding)
@@ -322,7 +322,7 @@ def _param_tally(
     _tally_params(
         t,
         shapes,
-        projection_group(optim_cfg) if mspec.projects else None,
+        plan,
         list(optim_cfg.targets),
         factor,
         targets,
@@ -330,7 +330,6 @@ def _param_tally(
         o.density,
         o.warm_start,
         o.restarts,
-        head_group(method, p.dim),
     )
     t.finish()
     return t

@@ -14,7 +14,7 @@ import optimizers
 from effpretrain.memory.in_backward_terms import lowrank_accumulator_bytes
 from effpretrain.models.factorized import FactorSpec
 from effpretrain.models.llama import ModelShape, build_llama_config, model_class
-from effpretrain.optim_setup import HEAD_TARGETS
+from effpretrain.optim_setup import HEAD_TARGETS, OptimPlan
 from optimizers.rounding import int8_nbytes
 from optimizers.writer import transient_bytes as writer_transient_bytes
 
@@ -329,7 +329,7 @@ def _factor_param_shapes(m: int, n: int, rank: int, counts: dict[str, int]) -> l
 def _tally_params(
     t: _Tally,
     shapes: Iterable[ParamShape],
-    proj_group: dict[str, Any] | None,
+    plan: OptimPlan,
     proj_targets: Sequence[str],
     factor: FactorSpec | None,
     factor_targets: Sequence[str],
@@ -337,13 +337,12 @@ def _tally_params(
     density: float,
     warm_start: bool = False,
     restarts: bool = False,
-    heads: dict[str, Any] | None = None,
 ) -> None:
     """Adds every parameter to `t`: factorized targets as their factors (or, in a warm start, as
     their trained W0), projected targets with their whole low-rank state, a whole-matrix method's
-    weights in their matrix group (`MethodSpec.matrix_role`, as the trainer's param groups), the
-    rest as dense trainable tensors (the query and key weights with the `heads` group options, if
-    any)."""
+    weights in their matrix group (`MethodSpec.matrix_role`), the rest as dense trainable tensors
+    (the query and key weights with the head-block options, if any): each with the options of the
+    trainer's param group for it, from the same `plan` (`effpretrain.optim_setup.OptimPlan`)."""
     shapes = list(shapes)
     edges = any(s.name == "lm_head.weight" for s in shapes)  # untied: embedding and head are units
     for s in shapes:
@@ -358,14 +357,14 @@ def _tally_params(
         t.quant |= t.int8_embeddings and s.name in ("model.embed_tokens.weight", "lm_head.weight")
         # nn.Embedding's weight is the only 2-D parameter of the model that no nn.Linear holds.
         role = t.method.matrix_role(target=target, embedding=s.linear is None, ndim=len(s.shape))
-        if proj_group is not None and target:
-            group: dict[str, Any] | None = proj_group
+        if plan.projected is not None and target:
+            group: dict[str, Any] | None = dict(plan.projected)
         elif role is not None:
-            group = t.method.matrix_group(role)
+            group = dict(plan.matrix[role])
         else:
-            group = heads if s.linear in HEAD_TARGETS else None
-            if heads and s.name.endswith(".bias"):  # a linear layer's bias (the trainer's groups)
-                group = t.method.bias_group()
+            group = dict(plan.heads) if s.linear in HEAD_TARGETS else None
+            if plan.heads and s.name.endswith(".bias"):  # a linear layer's bias (the trainer's groups)
+                group = dict(plan.bias)
         t.trainable_tensor(s.shape, group)
         t.quant = False
         t.params += math.prod(s.shape)
