@@ -718,3 +718,48 @@ def test_7b_on_one_24gb_gpu_and_8b_under_8gb_per_rank():
         ranks = eight.detail["peak_per_rank"]
         assert len(ranks) == 8 and max(ranks) <= 8e9, loss
         assert min(ranks) > 0.999 * max(ranks)  # no owner rank carries the embedding's or head's step
+
+
+def _options(group: dict | None) -> tuple:
+    """A param group's options as the estimator's formulas read them: without its parameters, the
+    weight decay and LORO's pair mark (no state or step formula depends on those)."""
+    skip = ("params", "weight_decay", optimizers.FACTOR_PAIRS_KEY)
+    return tuple(sorted((k, repr(v)) for k, v in (group or {}).items() if k not in skip))
+
+
+@pytest.mark.parametrize("recipe", [p.stem for p in RECIPES])
+def test_the_trainer_and_the_estimator_build_the_same_groups_from_one_lookup(recipe, monkeypatch):
+    """One `OptimPlan` per build: building a run's optimizer looks its method's registry row up
+    once (counted), and the estimator tallies every trainable tensor with the options of the group
+    the trainer puts it in (multisets of (shape, options) over every tiny recipe; a warm start is
+    left off, as its two phases train different tensors by design)."""
+    from collections import Counter
+
+    from effpretrain.config import load_config
+    from effpretrain.memory import estimate_from_config, terms
+    from effpretrain.models.llama import model_shape
+    from effpretrain.optim_setup import build_optimizer_and_schedule, build_param_groups
+    from effpretrain.run_model import build_run_model
+
+    cfg = load_config(ROOT / "recipes" / "tiny" / f"{recipe}.yaml", ["factor.warm_start_steps=0"])
+    vocab = model_shape(cfg.model).vocab
+    model, _ = build_run_model(cfg, vocab)
+    looked_up: list[str] = []
+    real = optimizers.method_spec
+    monkeypatch.setattr(optimizers, "method_spec", lambda name: looked_up.append(name) or real(name))
+    build_optimizer_and_schedule(model, cfg)
+    assert looked_up == [cfg.optim.name]
+
+    trainer = Counter(
+        (tuple(p.shape), _options(g)) for g in build_param_groups(model, cfg) for p in g["params"]
+    )
+    tallied: Counter = Counter()
+    tally = terms._Tally.trainable_tensor
+
+    def spy(self, shape, group=None):
+        tallied[(tuple(shape), _options(group))] += 1
+        return tally(self, shape, group)
+
+    monkeypatch.setattr(terms._Tally, "trainable_tensor", spy)
+    estimate_from_config(cfg, vocab, checkpointed=[])
+    assert tallied == trainer
