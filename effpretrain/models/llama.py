@@ -246,24 +246,42 @@ def _config_shape(source: str) -> ModelShape:
 
 
 def model_shape(model_cfg: Any) -> ModelShape:
-    """The shape a run's ``model`` section describes: ``model.config``'s (loaded once per source)
-    or ``model.preset``'s.
+    """The shape a run's ``model`` section describes: ``model.init``'s or ``model.config``'s
+    (loaded once per source), or ``model.preset``'s.
 
     Raises:
-        ConfigError: ``model.config`` cannot be read or is not a supported architecture.
+        ConfigError: the config cannot be read or is not a supported architecture.
     """
-    if getattr(model_cfg, "config", ""):
+    key, source = config_source(model_cfg)
+    if source:
         try:
-            return _config_shape(model_cfg.config)
+            return _config_shape(str(init_config_folder(source)) if key == "model.init" else source)
         except ValueError as e:
-            raise ConfigError(f"model.config: {e}") from None
+            raise ConfigError(f"{key}: {e}") from None
     return PRESETS[model_cfg.preset]
+
+
+def config_source(model_cfg: Any) -> tuple[str, str]:
+    """(the key, its value) of the run's model config: ``model.init``'s (its folder's
+    config.json), ``model.config``, or ("", "") for a preset."""
+    if getattr(model_cfg, "init", ""):
+        return "model.init", model_cfg.init
+    if getattr(model_cfg, "config", ""):
+        return "model.config", model_cfg.config
+    return "", ""
+
+
+def init_config_folder(source: str) -> Path:
+    """The local folder of ``model.init`` (a hub id's download)."""
+    from effpretrain.models.pretrained import resolve_init
+
+    return resolve_init(source)
 
 
 def model_label(model_cfg: Any) -> str:
     """A run's model by name: ``model.preset``, or ``model.config``'s folder (or file stem, or hub
     id's last part), a name that fits a run directory."""
-    source = getattr(model_cfg, "config", "")
+    source = config_source(model_cfg)[1]
     if not source:
         return model_cfg.preset
     path = Path(source)
