@@ -22,7 +22,6 @@ from distributed_helpers import COMMON, final, rel_diff, run_worker_pair
 
 from effpretrain import cli
 from effpretrain import data as data_mod
-from effpretrain.checkpoint import read_model_state
 from effpretrain.config import load_config
 from effpretrain.evaluation import evaluate_checkpoint
 from effpretrain.export import export

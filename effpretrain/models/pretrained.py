@@ -342,10 +342,9 @@ def load_shards_(model: nn.Module, weights: PretrainedWeights, device: torch.dev
     """Fills a meta model that FSDP2 has sharded (`effpretrain.fsdp.apply_fsdp2`): this rank
     allocates its shards on `device` and reads only its rows of each tensor; the report's
     `filled_bytes` are this rank's shards and `peak_bytes` what the load held at most."""
+    from effpretrain.memory.accounting import accounting
     from optimizers._owners import shard_rows
     from optimizers._sharded import local
-
-    from effpretrain.memory.accounting import accounting
 
     weights.check_against(model)
     report = LoadReport(weights.source)
