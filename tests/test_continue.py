@@ -376,3 +376,29 @@ def test_bad_sources_one_line_exit_2_nothing_written(sources, tmp_path, capsys):
         assert len(err) == 1 and needle in err[0], (name, err)
         assert not out.exists(), name  # nothing written for a rejected run
     assert math.isfinite(hf_loss(src))
+
+
+def test_continue_recipes_and_their_documented_memory():
+    """One recipe per family, each naming a published source of that family, whose shape is a
+    preset's (`HUB_SHAPES`): the docs' table of their parameters and memory is the estimator's."""
+    from effpretrain import memory
+    from effpretrain.models.llama import HUB_SHAPES, PRESETS, model_shape
+
+    families = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+    recipes = sorted((TINY.parent / "continue").glob("*.yaml"))
+    assert [p.stem for p in recipes] == sorted(families)
+    page = (TINY.parent.parent / "docs" / "continue.md").read_text()
+    for path in recipes:
+        cfg = load_config(path)
+        assert cfg.model.init in HUB_SHAPES and cfg.data.tokenizer == cfg.model.init
+        shape = model_shape(cfg.model)
+        assert shape == PRESETS[HUB_SHAPES[cfg.model.init]] and shape.architecture == families[path.stem]
+        est = memory.estimate_from_config(cfg, None)
+        row = next(ln for ln in page.splitlines() if ln.startswith(f"| `recipes/continue/{path.name}`"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1] == cfg.model.init and cells[2].split()[0] == cfg.optim.name, row
+        assert cells[3:] == [
+            f"{est.params:,}",
+            f"{est.weights_plus_optimizer / 1e9:.3f} GB",
+            f"{est.peak / 1e9:.3f} GB",
+        ], row
