@@ -74,6 +74,12 @@ def _add_estimate(sub) -> None:
     which = e.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", help="preset, e.g. llama_1b or llama_7b")
     which.add_argument(
+        "--recipe",
+        metavar="PATH",
+        help="a training recipe, estimated as `train` would run it on one process (the other flags "
+        "but --json are ignored; use --set to change it)",
+    )
+    which.add_argument(
         "--config",
         metavar="PATH",
         help="an HF config of a supported architecture (Llama, Mistral, Qwen2, Qwen3): a config.json, "
@@ -120,6 +126,7 @@ def _add_estimate(sub) -> None:
     e.add_argument("--sharding", default="none", choices=["none", "ddp", "fsdp2"])
     _add_weight_quant_args(e)
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_overrides(e, "with --recipe: override a recipe value, e.g. --set train.batch_size=2 (repeatable)")
 
 
 def _add_weight_quant_args(e) -> None:
@@ -243,6 +250,8 @@ def _default_out(cfg, resume: str | None) -> Path:
 
 def cmd_estimate(args) -> int:
 
+    if args.recipe:
+        return _estimate_recipe(args)
     if args.config:
         try:
             model = shape_of(load_hf_config(args.config))
@@ -294,6 +303,19 @@ def cmd_estimate(args) -> int:
         print(json.dumps(est.as_dict(), indent=2))
     else:
         print(format_table(est))
+    return 0
+
+
+def _estimate_recipe(args) -> int:
+    """`estimate --recipe`: the recipe's run as the trainer's pre-flight estimates it (the builtin
+    tokenizer's configured vocabulary, else the model's)."""
+    from effpretrain.config import load_config
+    from effpretrain.memory import estimate_from_config
+
+    cfg = load_config(args.recipe, args.overrides)
+    vocab = cfg.data.vocab_size if cfg.data.tokenizer == "builtin-bpe" else None
+    est = estimate_from_config(cfg, vocab, 1, "none")
+    print(json.dumps(est.as_dict(), indent=2) if args.json else format_table(est))
     return 0
 
 

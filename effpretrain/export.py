@@ -193,8 +193,19 @@ def _factored_model(model: torch.nn.Module, cfg) -> torch.nn.Module:
 
 
 def _save_tokenizer(cfg, out: Path) -> None:
+    """The run's tokenizer beside the weights: a HF tokenizer (a continued run's is its source
+    model's) as it loads, the built-in BPE from its cache; where it cannot be loaded, a note
+    naming it."""
     if cfg.data.tokenizer != "builtin-bpe":
-        (out / "TOKENIZER.txt").write_text(f"trained with the tokenizer {cfg.data.tokenizer}\n")
+        try:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(cfg.data.tokenizer).save_pretrained(out)
+        except Exception as e:  # offline hub id, moved folder: the export stands without it
+            log.warning(
+                "tokenizer %s not saved with the export (%s)", cfg.data.tokenizer, str(e).splitlines()[0]
+            )
+            (out / "TOKENIZER.txt").write_text(f"trained with the tokenizer {cfg.data.tokenizer}\n")
         return
     from transformers import PreTrainedTokenizerFast
 

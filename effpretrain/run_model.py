@@ -19,13 +19,27 @@ from effpretrain.errors import ConfigError
 from effpretrain.loss import token_loss_sum
 from effpretrain.models import FACTOR_KINDS, apply_factorization, build_model, set_activation_checkpointing
 from effpretrain.models.factorized import begin_warm_start_
-from effpretrain.models.llama import build_llama_config, load_hf_config, model_shape
+from effpretrain.models.llama import (
+    build_llama_config,
+    config_source,
+    init_config_folder,
+    load_hf_config,
+    model_shape,
+)
+from effpretrain.models.pretrained import PretrainedWeights, load_pretrained
 from effpretrain.models.quantize import quantize_linear_, quantize_weights_
 
 
-def build_run_model(cfg: RunConfig, vocab_size: int) -> tuple[torch.nn.Module, dict[str, Any] | None]:
-    """The model a run trains: the preset, or ``model.config``'s model as it is, seeded, plus
-    factorization surgery if configured; built layer by layer (`effpretrain.models.materialize`).
+def build_run_model(
+    cfg: RunConfig, vocab_size: int, weights: PretrainedWeights | None = None
+) -> tuple[torch.nn.Module, dict[str, Any] | None]:
+    """The model a run trains: the preset, or ``model.config``'s (or ``model.init``'s) model as it
+    is, seeded, plus factorization surgery if configured; built layer by layer
+    (`effpretrain.models.materialize`). With `weights` (``model.init``'s, `open_pretrained`) the
+    model is those weights instead, read unit by unit (`load_pretrained`; its report is
+    ``weights.report``), and the surgery starts from them (`FactorSpec.pretrained_start`); without
+    them a ``model.init`` run's architecture is built fresh (evaluation and export then load a
+    checkpoint's weights into it).
     Its weights are fp32, or, for a ``bf16-pure`` run without factorization, bf16: each layer is
     cast as soon as it is initialised (the values `place_model`'s cast of the fp32 model gives), so
     the fp32 model is never held whole. A factorized model stays fp32 here: the surgery creates
@@ -44,7 +58,9 @@ def build_run_model(cfg: RunConfig, vocab_size: int) -> tuple[torch.nn.Module, d
     if cfg.train.weight_quant == "int8" and cfg.factor.kind == "none":
         # INT8 weights from the layer's own build on: a 13B model never exists in fp32 whole.
         cast = functools.partial(_quantize_unit, cfg, cast)
-    if cfg.model.config:
+    if weights is not None:
+        model, weights.report = load_pretrained(run_hf_config(cfg, vocab_size), weights, after_layer=cast)
+    elif cfg.model.config or cfg.model.init:
         hf_config = run_hf_config(cfg, vocab_size)
         model = build_model(hf_config, seed=cfg.train.seed, after_layer=cast)
     else:
@@ -65,6 +81,7 @@ def build_run_model(cfg: RunConfig, vocab_size: int) -> tuple[torch.nn.Module, d
                 targets=tuple(cfg.factor.targets),
                 density=cfg.factor.density,
                 seed=cfg.factor.seed,
+                pretrained=weights is not None,
             )
         except ValueError as e:
             raise ConfigError(f"factor: {e}") from None
@@ -72,9 +89,9 @@ def build_run_model(cfg: RunConfig, vocab_size: int) -> tuple[torch.nn.Module, d
 
 
 def build_hf_config(cfg: RunConfig, vocab_size: int) -> Any:
-    """The transformers config of the run's model (``model.config``'s, checked; or the preset's
-    with the run's positions), without building the model."""
-    if cfg.model.config:
+    """The transformers config of the run's model (``model.config``'s or ``model.init``'s,
+    checked; or the preset's with the run's positions), without building the model."""
+    if cfg.model.config or cfg.model.init:
         return run_hf_config(cfg, vocab_size)
     max_pos = cfg.model.max_position_embeddings or cfg.data.seq_len
     return build_llama_config(cfg.model.preset, vocab_size, max_pos)
@@ -99,21 +116,23 @@ def weights_dtype(cfg: RunConfig) -> torch.dtype:
 
 
 def run_hf_config(cfg: RunConfig, vocab_size: int) -> Any:
-    """``model.config``'s transformers config, checked against the run: a supported architecture,
-    the tokenizer's vocabulary, enough positions for ``data.seq_len`` (``model.
-    max_position_embeddings``, when set, replaces the config's)."""
+    """``model.config``'s (or ``model.init``'s) transformers config, checked against the run: a
+    supported architecture, the tokenizer's vocabulary, enough positions for ``data.seq_len``
+    (``model.max_position_embeddings``, when set, replaces the config's). A pretrained model's
+    embedding may have more rows than its tokenizer has tokens (padded, as Qwen's are), never fewer."""
     model_shape(cfg.model)  # readable and supported, else the one-line ConfigError
-    hf_config = load_hf_config(cfg.model.config)
-    if hf_config.vocab_size != vocab_size:
+    key, source = config_source(cfg.model)
+    hf_config = load_hf_config(str(init_config_folder(source)) if key == "model.init" else source)
+    if hf_config.vocab_size != vocab_size and not (key == "model.init" and vocab_size < hf_config.vocab_size):
         raise ConfigError(
-            f"model.config: vocab_size={hf_config.vocab_size} but the tokenizer has {vocab_size} tokens; "
-            "use a config and a tokenizer (data.tokenizer) of the same vocabulary"
+            f"{key}: vocab_size={hf_config.vocab_size} but the tokenizer has {vocab_size} tokens; "
+            "use a model and a tokenizer (data.tokenizer) of the same vocabulary"
         )
     if cfg.model.max_position_embeddings:
         hf_config.max_position_embeddings = cfg.model.max_position_embeddings
     if cfg.data.seq_len > hf_config.max_position_embeddings:
         raise ConfigError(
-            f"data.seq_len={cfg.data.seq_len} exceeds model.config's max_position_embeddings="
+            f"data.seq_len={cfg.data.seq_len} exceeds {key}'s max_position_embeddings="
             f"{hf_config.max_position_embeddings}"
         )
     hf_config.use_cache = False
@@ -134,7 +153,8 @@ def place_model(
     set_activation_checkpointing(model, checkpointed)
     if weights_dtype(cfg) != torch.float32:
         model = model.to(weights_dtype(cfg))  # a factorized model's (a dense one is built so)
-    model = model.to(device)
+    if not any(p.is_meta for p in model.parameters()):  # a meta model is filled after FSDP2 shards it
+        model = model.to(device)
     if cfg.train.weight_quant == "int8":  # after the dtype and the device: INT8 from here on
         quantize_weights_(
             model,

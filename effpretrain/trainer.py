@@ -14,6 +14,7 @@ the module for each stage.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -37,9 +38,11 @@ from effpretrain.launch import check_launch, choose_launch, make_accelerator
 from effpretrain.loss import token_loss_sum
 from effpretrain.memory import measure, preflight
 from effpretrain.models.factorized import end_warm_start_, factor_spec, warming_up
+from effpretrain.models.llama import model_shape
+from effpretrain.models.pretrained import load_shards_, meta_model, open_pretrained
 from effpretrain.optim_setup import build_optimizer_and_schedule, opt_telemetry, warm_start_steps
 from effpretrain.reporting import RunClock, RunReport, build_summary
-from effpretrain.run_model import build_run_model, place_model
+from effpretrain.run_model import build_run_model, place_model, run_hf_config
 from effpretrain.run_state import EXACTNESS_KEYS, DataPosition, OptionalPart, Progress, RngState, RunFacts
 from effpretrain.signals import StopSignals
 from optimizers import writer
@@ -86,6 +89,8 @@ class Trainer:
         # A bad --resume, targets or ranks that cannot work: refused before any work or any write.
         self.resume_path = self._resume_target(resume)
         optim_setup.check_param_groups(cfg)
+        # model.init: the source checked (config, files, headers) before any data or model work.
+        self.init_weights = open_pretrained(cfg.model.init)[0] if cfg.model.init else None
         self._set_up_data()
         self._set_up_model_and_optimizer(self._build_model())
         self.progress = Progress()
@@ -142,6 +147,8 @@ class Trainer:
         with self.acc.main_process_first():
             self.corpus = data_mod.load_corpus(cfg.data)
             self.tok = data_mod.load_tokenizer(cfg.data, self.corpus)
+        if cfg.model.init:
+            self.tok = self._model_vocabulary(self.tok)
         self.stream = data_mod.TokenStream.from_config(self.corpus, self.tok, cfg.data, self.rank, self.world)
         self.batches = data_mod.Batches(
             self.stream,
@@ -158,10 +165,34 @@ class Trainer:
             self.corpus, self.tok, cfg.data.seq_len, cfg.data.mode, train_cfg.eval_tokens
         )
 
+    def _model_vocabulary(self, tok: data_mod.Tokenizer) -> data_mod.Tokenizer:
+        """`model.init`'s tokenizer with the model's vocabulary: its embedding's rows, which may
+        exceed the tokenizer's count (padded, as Qwen's are) but never fall short of it."""
+        rows = model_shape(self.cfg.model).vocab
+        if tok.vocab_size > rows:
+            raise ConfigError(
+                f"model.init: the tokenizer {tok.name} has {tok.vocab_size} tokens but the model's embedding "
+                f"has {rows} rows; use the model's own tokenizer (data.tokenizer)"
+            )
+        return dataclasses.replace(tok, vocab_size=rows)
+
     def _build_model(self) -> torch.nn.Module:
-        model, self.factor_report = build_run_model(self.cfg, self.tok.vocab_size)
+        if self.init_weights is not None and self.launch.sharding == "fsdp2":
+            return self._load_shards()
+        model, self.factor_report = build_run_model(self.cfg, self.tok.vocab_size, self.init_weights)
         model = place_model(model, self.cfg, self.acc.device, self._checkpointed_layers())
         return self.launch.shard(model)  # FSDP2 before the optimizer: fully_shard replaces parameters
+
+    def _load_shards(self) -> torch.nn.Module:
+        """`model.init` under FSDP2: the model placed and sharded on the meta device, then each
+        rank allocates its shards and reads only its rows (`load_shards_`); no rank holds the
+        whole model (config checks refuse the settings this path lacks: surgery, INT8)."""
+        assert self.init_weights is not None
+        self.factor_report = None
+        model = meta_model(run_hf_config(self.cfg, self.tok.vocab_size))
+        model = self.launch.shard(place_model(model, self.cfg, self.acc.device, self._checkpointed_layers()))
+        self.init_weights.report = load_shards_(model, self.init_weights, self.acc.device)
+        return model
 
     def _checkpointed_layers(self) -> int | list[int]:
         """`train.activation_checkpointing`; for ``auto`` the estimator's plan, logged."""
@@ -262,6 +293,8 @@ class Trainer:
             ) as report,
         ):
             clock, last_val = RunClock(start_tokens=progress.tokens), None
+            if self.cfg.model.init and progress.step == 0:
+                last_val = self._evaluate_now(report)  # the source model's loss, before any step
             self.model.train()
             stop.enter_loop()
             while not (stopped := self._stop_agreed(stop)) and progress.step < max_steps:
@@ -389,6 +422,10 @@ class Trainer:
         progress = self.progress
         if not due(self.cfg.train.eval_every, progress.step, self.cfg.train.max_steps):
             return None
+        return self._evaluate_now(report)
+
+    def _evaluate_now(self, report: RunReport) -> EvalResult:
+        progress = self.progress
         val = self.evaluate()
         self._evaluated_step = progress.step
         report.write({"event": "eval", "step": progress.step, "tokens": progress.tokens, **val.record()})
@@ -433,6 +470,9 @@ class Trainer:
             sharding=self.launch.sharding,
             compile_s=compile_seconds() - self.compile_s_before if self.cfg.train.compile else 0.0,
         )
+        if self.init_weights is not None and self.init_weights.report is not None:
+            # Per rank: what each read and held while loading (under FSDP2, its shards only).
+            summary["init_load"] = self.launch.gather(self.init_weights.report.record())
         report.finish(summary)
         return summary
 

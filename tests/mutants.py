@@ -295,6 +295,32 @@ MUTATIONS: tuple[Mutation, ...] = (
         "",
         ("tests/test_process_group.py::test_no_gloo_thread_outlives_the_end_of_an_fsdp2_run",),
     ),
+    Mutation(
+        "init-weights-ignored",
+        "a run from model.init starts from the folder's weights (step 0 is the source model's loss)",
+        "effpretrain/run_model.py",
+        "    if weights is not None:\n        model, weights.report = load_pretrained(",
+        "    if False:\n        model, weights.report = load_pretrained(",
+        (
+            "tests/test_continue.py::test_starts_from_the_weights_trains_and_resumes_exactly[qwen2_tied-adamw]",
+        ),
+    ),
+    Mutation(
+        "init-shard-rows-from-zero",
+        "under FSDP2 each rank reads its own rows of every tensor (parity with one process)",
+        "effpretrain/models/pretrained.py",
+        "                start = sum(counts[:r])",
+        "                start = 0",
+        ("tests/test_continue.py::test_two_processes_from_the_folder_equal_one[llama_sharded]",),
+    ),
+    Mutation(
+        "lowrank-pretrained-random",
+        "Low-Rank from pretrained weights starts at their truncated SVD",
+        "effpretrain/models/factorized/surgery.py",
+        "            new.from_dense_(w)",
+        "            pass",
+        ("tests/test_continue.py::test_factorized_kinds_start_by_their_rule",),
+    ),
 )
 
 

@@ -225,6 +225,8 @@ def test_a_factorized_tied_qwen2_exports_and_reloads(configs, tmp_path):
         ("llama_13b", 13_015_864_320),  # Llama-2-13b
         ("llama3_8b", 8_030_261_248),  # Meta-Llama-3-8B
         ("qwen2.5_0.5b", 494_032_768),  # Qwen2.5-0.5B (tied)
+        ("mistral_7b", 7_241_732_096),  # Mistral-7B-v0.1
+        ("qwen2.5_7b", 7_615_616_512),  # Qwen2.5-7B
     ],
 )
 def test_large_presets_have_the_parameter_counts_of_their_models(preset, params):

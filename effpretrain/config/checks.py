@@ -114,6 +114,7 @@ def validate(cfg: RunConfig, source: str = "config") -> RunConfig:
     _check_method_needs(cfg, source)
     _check_in_backward_refresh(cfg, source)
     _check_weight_quant(cfg, source)
+    _check_init(cfg, source)
     if cfg.restarts.every and cfg.restarts.refactorize and cfg.factor.kind != "none":
         spec = factor_spec(cfg.factor.kind)
         if not (spec.refactorizable or spec.merges_at_restart):
@@ -170,6 +171,37 @@ def stochastic_rounding(cfg: RunConfig) -> bool:
     """`train.stochastic_rounding` resolved: `auto` is on exactly for INT8 weights."""
     sr = cfg.train.stochastic_rounding
     return cfg.train.weight_quant == "int8" if sr == "auto" else bool(sr)
+
+
+def _check_init(cfg: RunConfig, source: str) -> None:
+    """`model.init` (continued pretraining): what composes with it, and `data.tokenizer: auto`
+    resolved to the tokenizer it means (the resolved config names it)."""
+    from effpretrain.models.factorized.surgery import pretrained_kinds
+    from effpretrain.models.pretrained import init_folder_for_tokenizer
+
+    init, kind = cfg.model.init, cfg.factor.kind
+    if cfg.data.tokenizer == "auto":
+        tok = init_folder_for_tokenizer(init) if init else "builtin-bpe"
+        if tok is None:
+            raise ConfigError(
+                f"{source}: model.init={init} holds no tokenizer; set data.tokenizer to the model's tokenizer"
+            )
+        cfg.data.tokenizer = tok
+    if not init:
+        return
+    if cfg.model.config:
+        raise ConfigError(f"{source}: model.init implies the model's config; leave model.config empty")
+    if kind != "none" and not FACTOR_KINDS[kind].pretrained_start:
+        raise ConfigError(
+            f"{source}: factor.kind={kind} defines no start from pretrained weights (model.init); "
+            f"use one of {pretrained_kinds()}, or factor.kind=none"
+        )
+    if cfg.dist.sharding == "fsdp2" and (kind != "none" or cfg.train.weight_quant != "none"):
+        what = f"factor.kind={kind}" if kind != "none" else f"train.weight_quant={cfg.train.weight_quant}"
+        raise ConfigError(
+            f"{source}: model.init under dist.sharding=fsdp2 loads each rank's shards into the plain "
+            f"model; {what} is not supported there yet (use dist.sharding=ddp)"
+        )
 
 
 def _check_weight_quant(cfg: RunConfig, source: str) -> None:

@@ -40,6 +40,10 @@ class ModelConfig:
     Qwen3ForCausalLM: a config.json file, its folder, or a hub id (where the network is
     reachable); the model is built from it as it is, freshly initialised. Its vocab_size must equal
     the tokenizer's. Empty: `model.preset`."""
+    init: str = ""
+    """Continued pretraining: a model folder (config.json and safetensors weights, one file or
+    sharded with an index) or a hub id; the run trains that model from its weights
+    (docs/continue.md). Implies its config (leave `model.config` empty). Empty: a fresh model."""
     max_position_embeddings: NonNegativeInt = 0
     """Positions the model supports; 0: `data.seq_len`."""
 
@@ -129,8 +133,10 @@ class DataConfig:
     """`hub`: the held-out split (e.g. `validation`); empty: held out from `data.split`."""
     text_field: str = "text"
     """`files` (.jsonl, .parquet) and `hub`: the field holding each document's text."""
-    tokenizer: str = "builtin-bpe"
-    """`builtin-bpe` (trained on the corpus) or any HF tokenizer name or path, e.g. `t5-base`."""
+    tokenizer: str = "auto"
+    """`builtin-bpe` (trained on the corpus) or any HF tokenizer name or path, e.g. `t5-base`.
+    `auto`: `model.init`'s own tokenizer (its folder's, or its hub id's) when `model.init` is set,
+    else `builtin-bpe`; a run's resolved config names the one it used."""
     vocab_size: PositiveInt = 8192
     """`builtin-bpe` only: the vocabulary size."""
     seq_len: PositiveInt = 128

@@ -18,7 +18,7 @@ from effpretrain.config import DataConfig
 from effpretrain.data.builtin import builtin_documents
 from effpretrain.data.corpus import load_corpus
 from effpretrain.data.files import held_out, list_shards, shard_records
-from effpretrain.data.tokenizer import Tokenizer, cache_dir, load_tokenizer
+from effpretrain.data.tokenizer import Tokenizer, cache_dir, is_builtin, load_tokenizer
 from effpretrain.data.tokens import (
     DEFAULT_SHARD_TOKENS,
     FORMAT,
@@ -114,7 +114,7 @@ def _run_tokenizer(source: str, cfg: DataConfig) -> tuple[Tokenizer, dict[str, A
     built-in BPE, its file: trained on the text source's training documents exactly as a run on
     ``data.source=builtin`` / ``files`` with this `data.path` would train it (and cached alike)."""
     corpus = None
-    if cfg.tokenizer == "builtin-bpe":
+    if is_builtin(cfg.tokenizer):
         src = {"source": "builtin"} if source == "builtin" else {"source": "files", "path": source}
         corpus = load_corpus(DataConfig(**{**cfg.__dict__, **src}))
     tok = load_tokenizer(cfg, corpus)

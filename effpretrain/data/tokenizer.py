@@ -16,6 +16,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("effpretrain")
 
+BUILTIN = "builtin-bpe"
+
+
+def is_builtin(name: str) -> bool:
+    """Whether `data.tokenizer` names the built-in BPE: ``builtin-bpe``, or ``auto`` where no run
+    config resolved it (a `DataConfig` used on its own has no `model.init`, whose tokenizer
+    ``auto`` would mean; `effpretrain.config.validate` resolves it for a run)."""
+    return name in (BUILTIN, "auto")
+
+
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 
@@ -76,7 +86,7 @@ def train_bpe(docs: list[str], vocab_size: int, out: Path) -> None:
 def load_tokenizer(cfg: DataConfig, corpus: Corpus | ShardedFiles | HubCorpus) -> Tokenizer:
     """`builtin-bpe` (trained on the training documents, or on local shards' first
     `data.bpe_sample_mb` MB, cached by a hash of that text) or any HF name/path."""
-    if cfg.tokenizer == "builtin-bpe":
+    if is_builtin(cfg.tokenizer):
         sample = getattr(corpus, "tokenizer_sample", None)  # streamed local files: a bounded sample
         if corpus.streaming and sample is None:
             raise ConfigError(

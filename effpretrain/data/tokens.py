@@ -53,7 +53,7 @@ import numpy as np
 
 from effpretrain.config import DataConfig
 from effpretrain.data.readers import DocPosition
-from effpretrain.data.tokenizer import Tokenizer, cache_dir, load_tokenizer
+from effpretrain.data.tokenizer import Tokenizer, cache_dir, is_builtin, load_tokenizer
 from effpretrain.errors import ConfigError
 
 FORMAT = "effpretrain-tokens"
@@ -171,7 +171,7 @@ class TokenCorpus:
         want = self.manifest["tokenizer"]
         bpe = want["spec"] == "builtin-bpe"
         made = f"builtin-bpe with vocab_size {want.get('requested_vocab_size')}" if bpe else want["spec"]
-        if (cfg.tokenizer == "builtin-bpe") != bpe or (
+        if is_builtin(cfg.tokenizer) != bpe or (
             bpe and cfg.vocab_size != want["requested_vocab_size"]
         ):
             fix = (

@@ -31,7 +31,7 @@ from effpretrain.memory.terms import (
     precision,
 )
 from effpretrain.models.factorized import factor_spec
-from effpretrain.models.llama import ModelShape, model_shape, resolve_shape
+from effpretrain.models.llama import ModelShape, config_source, model_shape, resolve_shape
 from effpretrain.optim_setup import optim_plan
 
 
@@ -428,7 +428,7 @@ def _estimate_config(
     cfg: Any, vocab_size: int, world_size: int, sharding: str, checkpointed: Any, warm_start: bool
 ) -> Estimate:
     return estimate(
-        model_shape(cfg.model) if cfg.model.config else cfg.model.preset,
+        model_shape(cfg.model) if config_source(cfg.model)[1] else cfg.model.preset,
         cfg.optim.name,
         dtype=cfg.train.precision,
         vocab_size=vocab_size,

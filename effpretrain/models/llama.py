@@ -157,6 +157,28 @@ PRESETS: dict[str, ModelShape] = {
     "llama3_8b": ModelShape(
         hidden=4096, intermediate=14336, heads=32, layers=32, vocab=128256, kv_heads=8, rope_theta=500000.0
     ),
+    # Mistral-7B-v0.1 (its config.json): grouped-query attention; its 4096-token sliding window
+    # plays no part at the sequence lengths trained here.
+    "mistral_7b": ModelShape(
+        hidden=4096,
+        intermediate=14336,
+        heads=32,
+        layers=32,
+        kv_heads=8,
+        architecture="MistralForCausalLM",
+    ),
+    # Qwen2.5-7B (Qwen's config.json): untied, q/k/v biases, 4 KV heads, a padded 152,064 vocabulary.
+    "qwen2.5_7b": ModelShape(
+        hidden=3584,
+        intermediate=18944,
+        heads=28,
+        layers=28,
+        vocab=152064,
+        kv_heads=4,
+        qkv_bias=True,
+        rope_theta=1000000.0,
+        architecture="Qwen2ForCausalLM",
+    ),
     # Qwen2.5-0.5B's shape (Qwen's config.json): tied embeddings, q/k/v biases, 2 KV heads.
     "qwen2.5_0.5b": ModelShape(
         hidden=896,
@@ -170,6 +192,16 @@ PRESETS: dict[str, ModelShape] = {
         rope_theta=1000000.0,
         architecture="Qwen2ForCausalLM",
     ),
+}
+
+
+#: Published models whose shape is a preset's, by hub id: `model.init` naming one has its shape
+#: without a download (`effpretrain estimate` offline); training still reads the model's own
+#: config.json, and its weights must match it tensor by tensor.
+HUB_SHAPES: dict[str, str] = {
+    "meta-llama/Llama-3.1-8B": "llama3_8b",
+    "mistralai/Mistral-7B-v0.1": "mistral_7b",
+    "Qwen/Qwen2.5-7B": "qwen2.5_7b",
 }
 
 
@@ -246,24 +278,44 @@ def _config_shape(source: str) -> ModelShape:
 
 
 def model_shape(model_cfg: Any) -> ModelShape:
-    """The shape a run's ``model`` section describes: ``model.config``'s (loaded once per source)
-    or ``model.preset``'s.
+    """The shape a run's ``model`` section describes: ``model.init``'s or ``model.config``'s
+    (loaded once per source), or ``model.preset``'s.
 
     Raises:
-        ConfigError: ``model.config`` cannot be read or is not a supported architecture.
+        ConfigError: the config cannot be read or is not a supported architecture.
     """
-    if getattr(model_cfg, "config", ""):
+    key, source = config_source(model_cfg)
+    if key == "model.init" and source in HUB_SHAPES and not Path(source).expanduser().exists():
+        return PRESETS[HUB_SHAPES[source]]
+    if source:
         try:
-            return _config_shape(model_cfg.config)
+            return _config_shape(str(init_config_folder(source)) if key == "model.init" else source)
         except ValueError as e:
-            raise ConfigError(f"model.config: {e}") from None
+            raise ConfigError(f"{key}: {e}") from None
     return PRESETS[model_cfg.preset]
+
+
+def config_source(model_cfg: Any) -> tuple[str, str]:
+    """(the key, its value) of the run's model config: ``model.init``'s (its folder's
+    config.json), ``model.config``, or ("", "") for a preset."""
+    if getattr(model_cfg, "init", ""):
+        return "model.init", model_cfg.init
+    if getattr(model_cfg, "config", ""):
+        return "model.config", model_cfg.config
+    return "", ""
+
+
+def init_config_folder(source: str) -> Path:
+    """The local folder of ``model.init`` (a hub id's download)."""
+    from effpretrain.models.pretrained import resolve_init
+
+    return resolve_init(source)
 
 
 def model_label(model_cfg: Any) -> str:
     """A run's model by name: ``model.preset``, or ``model.config``'s folder (or file stem, or hub
     id's last part), a name that fits a run directory."""
-    source = getattr(model_cfg, "config", "")
+    source = config_source(model_cfg)[1]
     if not source:
         return model_cfg.preset
     path = Path(source)

@@ -122,6 +122,16 @@ class LowRankLinear(FactorizedLinear):
         _kaiming_(self.A)
         _kaiming_(self.B)
 
+    @torch.no_grad()
+    def from_dense_(self, weight: Tensor) -> None:
+        """Starts from a pretrained m x n `weight` W: W = U S V^T (fp32 SVD), B = U_r sqrt(S_r / s),
+        A = sqrt(S_r / s) V_r^T, so s B A = U_r S_r V_r^T, W's best rank-r approximation, with the
+        factors balanced (equal singular values)."""
+        u, sv, vh = torch.linalg.svd(weight.detach().float(), full_matrices=False)
+        root = (sv[: self.rank] / self.scale).sqrt()
+        self.B.copy_(u[:, : self.rank] * root)
+        self.A.copy_(root[:, None] * vh[: self.rank])
+
     def forward(self, x: Tensor) -> Tensor:
         # Scale the r-dim intermediate: cheaper than scaling the output.
         return F.linear(F.linear(x, self.A) * self.scale, self.B, self.bias)

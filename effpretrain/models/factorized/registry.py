@@ -42,6 +42,13 @@ class FactorSpec:
         dense_equivalent: the layer is linear in x with an m x n weight (`dense_weight`), so export
             can merge it into a plain Linear. False for CoLA (y = B sigma(A x)): export ships the
             factors (effpretrain/export.py).
+        pretrained_start: how the surgery starts from a pretrained weight W (`model.init`):
+            ``"keep"``: W is the frozen W0 and B = 0 (its usual start), so the model computes the
+            source model's function (LoRA, Hu et al. 2021; ReLoRA, Lialin et al. 2023, whose
+            method starts from a full-rank warm start); ``"svd"``: B, A from W's truncated SVD with
+            sqrt(S) on each side, s B A = U_r S_r V_r^T, the best rank-r approximation (the
+            spectral initialisation of Kamalakara et al. 2022); ``""``: the method defines no such
+            start, and a run from `model.init` is refused.
     """
 
     name: str
@@ -54,12 +61,17 @@ class FactorSpec:
     warm_starts: bool = False
     rank_saves: int = 1
     dense_equivalent: bool = True
+    pretrained_start: str = ""
 
     def __post_init__(self) -> None:
         if self.warm_starts and not self.frozen_dense:
             raise ValueError(f"factor kind {self.name!r}: warm_starts needs frozen_dense (a W0 to train)")
         if self.refactorizable and not self.dense_equivalent:
             raise ValueError(f"factor kind {self.name!r}: refactorizing needs B A to be the weight")
+        if self.pretrained_start not in ("", "keep", "svd"):
+            raise ValueError(f"factor kind {self.name!r}: pretrained_start must be '', 'keep' or 'svd'")
+        if self.pretrained_start == "keep" and not self.frozen_dense:
+            raise ValueError(f"factor kind {self.name!r}: pretrained_start 'keep' needs a frozen W0")
 
     def param_counts(
         self, m: int, n: int, rank: int, density: float = 0.03, bias: bool = False
@@ -96,8 +108,8 @@ class FactorSpec:
 FACTOR_KINDS: dict[str, FactorSpec] = {
     s.name: s
     for s in (
-        FactorSpec("lowrank", LowRankLinear),
-        FactorSpec("lora", LoRALinear, frozen_dense=True),
+        FactorSpec("lowrank", LowRankLinear, pretrained_start="svd"),
+        FactorSpec("lora", LoRALinear, frozen_dense=True, pretrained_start="keep"),
         FactorSpec(
             "relora",
             ReLoRALinear,
@@ -105,6 +117,7 @@ FACTOR_KINDS: dict[str, FactorSpec] = {
             refactorizable=False,
             merges_at_restart=True,
             warm_starts=True,
+            pretrained_start="keep",
         ),
         FactorSpec(
             "sltrain",

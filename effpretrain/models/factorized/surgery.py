@@ -36,6 +36,7 @@ def apply_factorization(
     targets: Sequence[str] = TARGETS,
     density: float = 0.03,
     seed: int = 0,
+    pretrained: bool = False,
 ) -> dict[str, Any]:
     """Replaces, in place, every nn.Linear whose attribute name is in `targets` by a factorized layer.
 
@@ -55,6 +56,9 @@ def apply_factorization(
         alpha: the scale numerator (s = alpha / r).
         targets: attribute names of the Linear modules to replace.
         density, seed: SLTrain's delta, and the base seed of its supports.
+        pretrained: the weights are a pretrained model's (`model.init`): each new layer starts
+            from its weight by the kind's `FactorSpec.pretrained_start` rule (a kind without one
+            is refused).
 
     Returns:
         {"kind", "rank", "alpha", "density" (sltrain only), "replaced": [module names],
@@ -65,6 +69,8 @@ def apply_factorization(
             matched `kind`/`targets`.
     """
     spec = factor_spec(kind)
+    if pretrained and not spec.pretrained_start:
+        raise ValueError(f"{kind} defines no start from pretrained weights ({pretrained_kinds()} do)")
     found = _checked_targets(model, kind, rank, density, targets)
     params_before, trainable_before = _param_counts(model)
     for name, lin in found:
@@ -74,7 +80,10 @@ def apply_factorization(
             kw.update(density=density, seed=zlib.crc32(f"{seed}/{name}".encode()))
         if spec.frozen_dense:
             kw["weight"] = w
-        _replace(model, name, spec.layer(lin.in_features, lin.out_features, rank, alpha, **kw))
+        new = spec.layer(lin.in_features, lin.out_features, rank, alpha, **kw)
+        if pretrained and spec.pretrained_start == "svd":
+            new.from_dense_(w)
+        _replace(model, name, new)
     params_after, trainable_after = _param_counts(model)
     _log_surgery(kind, rank, alpha, density if spec.sparse else None, found, spec.layer)
     logger.info(
@@ -88,6 +97,11 @@ def apply_factorization(
     if spec.sparse:
         report["density"] = float(density)
     return report
+
+
+def pretrained_kinds() -> str:
+    """The factor kinds that can start from pretrained weights, as a phrase."""
+    return ", ".join(k for k, s in FACTOR_KINDS.items() if s.pretrained_start)
 
 
 def _surgery_report(
