@@ -45,7 +45,7 @@ import torch
 
 from optimizers._sharded import COMM, is_dtensor, local, nonzero_flags, whole, write_whole_
 from optimizers.precision import full_fp32
-from optimizers.writer import needs_writer, value_fp32, written
+from optimizers.writer import needs_writer, stepping, value_fp32, written
 
 DEFAULT_BUCKET_BYTES = 1 << 26
 """Bytes of whole W and G one owner gathers per bucket (64 MiB; a larger parameter goes alone)."""
@@ -218,7 +218,8 @@ class OwnerPlaced:
                 step_one(weight, whole(q.grad), state, group, idx)
                 write_whole_(q, weight)
             else:
-                step_one(local(q), local(q.grad), state, group, idx)
+                with stepping(q):  # the rule's write of the shard rounds as q's (`optimizers.writer`)
+                    step_one(local(q), local(q.grad), state, group, idx)
         if owned:
             self._owner_steps(owned, step_one, init_state)
 

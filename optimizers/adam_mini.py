@@ -158,6 +158,8 @@ class AdamMini(OwnerPlaced, torch.optim.Optimizer):
             closure,
             steps_whole=lambda group, p: True,
             step_one=lambda w, g, state, group, index: self._param_step(w, g, state, group),
+            # State in the parameter's dtype: an owner steps a bf16 weight as its fp32 value.
+            init_state=lambda like, group, state, index: self._init_state(like, group, state),
             skip_zero=False,
         )
 

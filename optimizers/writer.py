@@ -27,6 +27,7 @@ then the noise and the rounding's temporaries over chunks of `CHUNK` elements.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ __all__ = [
     "detach_all",
     "needs_writer",
     "rounding_of",
+    "stepping",
     "transient_bytes",
     "written",
 ]
@@ -86,6 +88,35 @@ def detach_all(params: list[torch.Tensor]) -> None:
 def rounding_of(p: torch.Tensor) -> tuple[Rounding, int] | None:
     """The plan and noise index `attach` gave `p` (None: rounds to nearest)."""
     return getattr(p, _ATTR, None)
+
+
+#: The parameter whose local shard a rule is stepping (`stepping`): a rule given the shard alone
+#: writes it as that parameter (its rounding plan, its rows' offset in the whole tensor).
+_STEPPING: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("stepping", default=None)
+
+
+@contextlib.contextmanager
+def stepping(p: torch.Tensor) -> Iterator[None]:
+    """Marks `p` as the parameter a rule steps through its local shard (the placement driver of
+    `optimizers._owners`): `written` of that shard rounds as `p` would, with `p`'s noise index and
+    its shard's row offset, not as a stranger tensor (to nearest, from row 0)."""
+    token = _STEPPING.set(p)
+    try:
+        yield
+    finally:
+        _STEPPING.reset(token)
+
+
+def _parameter_of(t: torch.Tensor) -> torch.Tensor:
+    """The parameter `t` stands for: the one being stepped (`stepping`) when `t` is its local
+    shard, else `t` itself."""
+    p = _STEPPING.get()
+    if p is None or p is t:
+        return t
+    shard = _local(p)
+    plain = type(shard) is torch.Tensor and type(t) is torch.Tensor  # a view of it (autograd's)
+    same = shard is t or (plain and shard.data_ptr() == t.data_ptr() and shard.shape == t.shape)
+    return p if same else t
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -155,7 +186,9 @@ def value_fp32(p: torch.Tensor) -> torch.Tensor:
 @contextlib.contextmanager
 def written(p: torch.Tensor) -> Iterator[torch.Tensor]:
     """Yields `p`'s value in fp32 for the rule to update in place, then stores it once (module
-    docstring). A DTensor (FSDP2 shard) yields its local shard's value and keeps its shard."""
+    docstring). A DTensor (FSDP2 shard) yields its local shard's value and keeps its shard; so does
+    the shard itself while its parameter is being stepped (`stepping`)."""
+    p = _parameter_of(p)
     t = _local(p)
     if not needs_writer(t):
         yield t

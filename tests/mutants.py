@@ -321,6 +321,16 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            pass",
         ("tests/test_continue.py::test_factorized_kinds_start_by_their_rule",),
     ),
+    Mutation(
+        "shard-write-as-stranger",
+        "under FSDP2 a rule's write of a bf16 shard rounds stochastically as its parameter's (noise index, row offset)",
+        "optimizers/_owners.py",
+        "                with stepping(q):",
+        "                with contextlib.nullcontext():",
+        (
+            "tests/optimizers/test_sharded_rounding.py::test_fsdp2_shards_round_stochastically_as_one_process[spam]",
+        ),
+    ),
 )
 
 

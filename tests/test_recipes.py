@@ -65,7 +65,9 @@ def test_run_recipe_loads_and_resolves(path):
         if cfg.restarts.every and cfg.restarts.refactorize:
             assert factor.refactorizable or factor.merges_at_restart, cfg.factor.kind
 
-    est = memory.estimate_from_config(cfg, cfg.data.vocab_size if cfg.data.tokenizer == "builtin-bpe" else None)
+    est = memory.estimate_from_config(
+        cfg, cfg.data.vocab_size if cfg.data.tokenizer == "builtin-bpe" else None
+    )
     assert est.total > est.weights > 0
 
 

@@ -171,9 +171,7 @@ class TokenCorpus:
         want = self.manifest["tokenizer"]
         bpe = want["spec"] == "builtin-bpe"
         made = f"builtin-bpe with vocab_size {want.get('requested_vocab_size')}" if bpe else want["spec"]
-        if is_builtin(cfg.tokenizer) != bpe or (
-            bpe and cfg.vocab_size != want["requested_vocab_size"]
-        ):
+        if is_builtin(cfg.tokenizer) != bpe or (bpe and cfg.vocab_size != want["requested_vocab_size"]):
             fix = (
                 f"data.tokenizer=builtin-bpe data.vocab_size={want['requested_vocab_size']}"
                 if bpe
