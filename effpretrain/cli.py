@@ -21,7 +21,7 @@ from effpretrain.data.prepare_tokens import prepare
 from effpretrain.data.tokens import DEFAULT_SHARD_TOKENS
 from effpretrain.errors import ConfigError
 from effpretrain.loss import LossKind
-from effpretrain.memory import estimate, format_table
+from effpretrain.memory import estimate, estimate_from_config, format_table
 from effpretrain.memory.published import RECIPES
 from effpretrain.models import FACTOR_KINDS, PRESETS
 from effpretrain.models.llama import load_hf_config, model_label, shape_of
@@ -309,9 +309,6 @@ def cmd_estimate(args) -> int:
 def _estimate_recipe(args) -> int:
     """`estimate --recipe`: the recipe's run as the trainer's pre-flight estimates it (the builtin
     tokenizer's configured vocabulary, else the model's)."""
-    from effpretrain.config import load_config
-    from effpretrain.memory import estimate_from_config
-
     cfg = load_config(args.recipe, args.overrides)
     vocab = cfg.data.vocab_size if cfg.data.tokenizer == "builtin-bpe" else None
     est = estimate_from_config(cfg, vocab, 1, "none")

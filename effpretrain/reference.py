@@ -80,7 +80,10 @@ def _kind_section(name: str) -> str:
         if getattr(spec, flag):
             facts.append(words)
     facts.append("refactorizable" if spec.refactorizable else "not refactorizable")
-    starts = {"keep": "from pretrained weights: W is W0, B = 0", "svd": "from pretrained weights: W's truncated SVD"}
+    starts = {
+        "keep": "from pretrained weights: W is W0, B = 0",
+        "svd": "from pretrained weights: W's truncated SVD",
+    }
     facts.append(starts.get(spec.pretrained_start, "no start from pretrained weights"))
     return "\n".join([f"## `{name}`\n", "; ".join(facts) + ".\n", _block(inspect.getdoc(layer) or "")])
 

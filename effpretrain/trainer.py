@@ -179,7 +179,12 @@ class Trainer:
     def _build_model(self) -> torch.nn.Module:
         if self.init_weights is not None and self.launch.sharding == "fsdp2":
             return self._load_shards()
-        model, self.factor_report = build_run_model(self.cfg, self.tok.vocab_size, self.init_weights)
+        if self.init_weights is None:
+            model, self.factor_report = build_run_model(self.cfg, self.tok.vocab_size)
+        else:  # the load's peak, by the tensor accounting (summary.json's init_load)
+            with memory.accounting() as acc:
+                model, self.factor_report = build_run_model(self.cfg, self.tok.vocab_size, self.init_weights)
+            self._note_load_peak(acc)
         model = place_model(model, self.cfg, self.acc.device, self._checkpointed_layers())
         return self.launch.shard(model)  # FSDP2 before the optimizer: fully_shard replaces parameters
 
@@ -191,8 +196,14 @@ class Trainer:
         self.factor_report = None
         model = meta_model(run_hf_config(self.cfg, self.tok.vocab_size))
         model = self.launch.shard(place_model(model, self.cfg, self.acc.device, self._checkpointed_layers()))
-        self.init_weights.report = load_shards_(model, self.init_weights, self.acc.device)
+        with memory.accounting() as acc:
+            self.init_weights.report = load_shards_(model, self.init_weights, self.acc.device)
+        self._note_load_peak(acc)
         return model
+
+    def _note_load_peak(self, acc: Any) -> None:
+        assert self.init_weights is not None and self.init_weights.report is not None
+        self.init_weights.report.peak_bytes = acc.replay(include_existing=False)[0]
 
     def _checkpointed_layers(self) -> int | list[int]:
         """`train.activation_checkpointing`; for ``auto`` the estimator's plan, logged."""

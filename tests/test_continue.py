@@ -402,3 +402,20 @@ def test_continue_recipes_and_their_documented_memory():
             f"{est.weights_plus_optimizer / 1e9:.3f} GB",
             f"{est.peak / 1e9:.3f} GB",
         ], row
+
+
+@pytest.mark.run
+def test_int8_weights_start_from_the_quantized_source(sources, tmp_path):
+    """With INT8 weights each layer is quantized as it is read: the weights' bytes are the
+    estimate's, and step 0 is the source model up to its INT8 rounding (to nearest, group 128:
+    within 1% of its loss here), then it trains."""
+    src = sources["qwen2_tied"]
+    run = train(
+        load_config(TINY / "adamw.yaml", over(src, "train.weight_quant=int8", "train.max_steps=10")),
+        tmp_path / "int8",
+    )
+    losses = evals(tmp_path / "int8")
+    assert run["weight_bytes"] == run["estimated"]["weights"]
+    assert abs(losses[0] - hf_loss(src)) <= 1e-2 * hf_loss(src), (losses[0], hf_loss(src))
+    assert losses[0] != hf_loss(src)  # quantized: not the fp32 model itself
+    assert losses[10] < losses[0]

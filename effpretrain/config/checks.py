@@ -15,6 +15,8 @@ from effpretrain.config.schema import RunConfig
 from effpretrain.config.types import Check, OneOf
 from effpretrain.errors import ConfigError
 from effpretrain.models import FACTOR_KINDS, factor_spec
+from effpretrain.models.factorized.registry import pretrained_kinds
+from effpretrain.models.llama import init_folder_for_tokenizer
 
 # Validation: every leaf's declared constraints, then the rules that join several keys.
 
@@ -176,9 +178,6 @@ def stochastic_rounding(cfg: RunConfig) -> bool:
 def _check_init(cfg: RunConfig, source: str) -> None:
     """`model.init` (continued pretraining): what composes with it, and `data.tokenizer: auto`
     resolved to the tokenizer it means (the resolved config names it)."""
-    from effpretrain.models.factorized.surgery import pretrained_kinds
-    from effpretrain.models.pretrained import init_folder_for_tokenizer
-
     init, kind = cfg.model.init, cfg.factor.kind
     if cfg.data.tokenizer == "auto":
         tok = init_folder_for_tokenizer(init) if init else "builtin-bpe"

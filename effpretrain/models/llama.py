@@ -307,9 +307,51 @@ def config_source(model_cfg: Any) -> tuple[str, str]:
 
 def init_config_folder(source: str) -> Path:
     """The local folder of ``model.init`` (a hub id's download)."""
-    from effpretrain.models.pretrained import resolve_init
-
     return resolve_init(source)
+
+
+#: The files a hub download of ``model.init`` fetches: the config, the weights, the tokenizer.
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
+
+
+def resolve_init(source: str) -> Path:
+    """The local folder of `model.init`: the folder itself, or a hub id's download (config,
+    safetensors weights and tokenizer files only)."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ConfigError(
+            f"model.init: {source} is a file; give the model's folder (config.json and weights)"
+        )
+    if source.startswith(("/", ".", "~")) or source.count("/") != 1:
+        raise ConfigError(f"model.init: {source}: no such folder")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(source, allow_patterns=_HUB_PATTERNS))
+    except Exception as e:  # offline, unknown id, gated model: one line, whatever the hub's error
+        raise ConfigError(f"model.init: cannot fetch {source!r} from the hub ({_first_line(e)})") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+def has_tokenizer(folder: Path) -> bool:
+    """Whether a model folder holds a tokenizer transformers can load."""
+    return any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
+def init_folder_for_tokenizer(source: str) -> str | None:
+    """The tokenizer `data.tokenizer: auto` means for `model.init` = `source`: the folder, when it
+    holds one, or the hub id itself (resolved when the tokenizer loads); None for a local folder
+    without one."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return source if has_tokenizer(path) else None
+    return source if not path.exists() else None
 
 
 def model_label(model_cfg: Any) -> str:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +36,10 @@ import torch
 from torch import nn
 
 from effpretrain.errors import ConfigError
+from effpretrain.models.llama import _first_line, load_hf_config, model_class, resolve_init, shape_of
 from effpretrain.models.materialize import AfterLayer, _recompute_non_persistent, _slots, _units
+from optimizers._owners import shard_rows
+from optimizers._sharded import local
 
 log = logging.getLogger("effpretrain")
 
@@ -46,8 +48,8 @@ __all__ = [
     "PretrainedWeights",
     "load_pretrained",
     "load_shards_",
+    "meta_model",
     "open_pretrained",
-    "resolve_init",
 ]
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -67,8 +69,6 @@ DTYPES: dict[str, torch.dtype] = {
 }
 #: A header larger than this is not a safetensors header (the format caps it at 100 MB).
 _MAX_HEADER = 100_000_000
-#: The files a hub download fetches: the config, the weights, the tokenizer.
-_HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
 
 
 @dataclass(frozen=True)
@@ -82,8 +82,9 @@ class _Entry:
 @dataclass
 class LoadReport:
     """What a load read and held: tensors and bytes read from the files, the bytes of the
-    model's tensors it filled (a rank's shards under FSDP2), and the peak bytes the load held,
-    measured by the tensor accounting (`effpretrain.memory.accounting`)."""
+    model's tensors it filled (a rank's shards under FSDP2), and the peak bytes the build held
+    (the caller measures it with the tensor accounting, `effpretrain.memory.accounting`: the
+    trainer does)."""
 
     source: str
     tensors: int = 0
@@ -94,31 +95,6 @@ class LoadReport:
 
     def record(self) -> dict[str, Any]:
         return dict(self.__dict__)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:200] if text else type(e).__name__
-
-
-def resolve_init(source: str) -> Path:
-    """The local folder of `model.init`: the folder itself, or a hub id's download (config,
-    safetensors weights and tokenizer files only)."""
-    path = Path(source).expanduser()
-    if path.is_dir():
-        return path
-    if path.exists():
-        raise ConfigError(
-            f"model.init: {source} is a file; give the model's folder (config.json and weights)"
-        )
-    if source.startswith(("/", ".", "~")) or source.count("/") != 1:
-        raise ConfigError(f"model.init: {source}: no such folder")
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(source, allow_patterns=_HUB_PATTERNS))
-    except Exception as e:  # offline, unknown id, gated model: one line, whatever the hub's error
-        raise ConfigError(f"model.init: cannot fetch {source!r} from the hub ({_first_line(e)})") from None
 
 
 def _read_header(file: Path) -> dict[str, _Entry]:
@@ -240,8 +216,6 @@ def _recomputed(name: str) -> bool:
 def open_pretrained(source: str) -> tuple[PretrainedWeights, Any]:
     """The weights and the transformers config of `model.init`, every check done (module
     docstring); nothing of the weights is read yet."""
-    from effpretrain.models.llama import load_hf_config, shape_of
-
     folder = resolve_init(source)
     config_file = folder / "config.json"
     if not config_file.is_file():
@@ -296,8 +270,6 @@ def _weight_files(folder: Path, source: str) -> list[Path]:
 
 def meta_model(hf_config: Any) -> nn.Module:
     """The model of `hf_config` on the meta device (nothing allocated)."""
-    from effpretrain.models.llama import model_class
-
     with torch.device("meta"):
         return model_class(hf_config)(hf_config)
 
@@ -308,9 +280,7 @@ def load_pretrained(
 ) -> tuple[nn.Module, LoadReport]:
     """The model of `hf_config` with the weights of `weights`, in fp32, built on the meta device
     and filled unit by unit on the CPU, ``after_layer(name, unit)`` run on each unit once read
-    (module docstring); the report's peak is what the load allocated."""
-    from effpretrain.memory.accounting import accounting
-
+    (module docstring)."""
     model = meta_model(hf_config)
     weights.check_against(model)
     report = LoadReport(weights.source)
@@ -319,20 +289,18 @@ def load_pretrained(
     order: dict[str, list[str]] = {}
     for name in slots:
         order.setdefault(unit_of[name], []).append(name)
-    with accounting() as acc:
-        for unit, names in order.items():
-            for name in names:
-                mod, attr, is_param = slots[name][0]
-                meta = mod._parameters[attr] if is_param else mod._buffers[attr]
-                t = torch.empty(meta.shape, dtype=meta.dtype)
-                _note(report, weights.read_into(name, t))
-                t = nn.Parameter(t, requires_grad=meta.requires_grad) if is_param else t
-                for m, a, p in slots[name]:
-                    (m._parameters if p else m._buffers)[a] = t
-            if after_layer is not None:
-                after_layer(unit, model.get_submodule(unit))
-        _recompute_non_persistent(model)
-    report.peak_bytes = acc.replay(include_existing=False)[0]
+    for unit, names in order.items():
+        for name in names:
+            mod, attr, is_param = slots[name][0]
+            meta = mod._parameters[attr] if is_param else mod._buffers[attr]
+            t = torch.empty(meta.shape, dtype=meta.dtype)
+            _note(report, weights.read_into(name, t))
+            t = nn.Parameter(t, requires_grad=meta.requires_grad) if is_param else t
+            for m, a, p in slots[name]:
+                (m._parameters if p else m._buffers)[a] = t
+        if after_layer is not None:
+            after_layer(unit, model.get_submodule(unit))
+    _recompute_non_persistent(model)
     report.filled_bytes = _held_bytes(model)
     return model, report
 
@@ -341,32 +309,27 @@ def load_pretrained(
 def load_shards_(model: nn.Module, weights: PretrainedWeights, device: torch.device | str) -> LoadReport:
     """Fills a meta model that FSDP2 has sharded (`effpretrain.fsdp.apply_fsdp2`): this rank
     allocates its shards on `device` and reads only its rows of each tensor; the report's
-    `filled_bytes` are this rank's shards and `peak_bytes` what the load held at most."""
-    from effpretrain.memory.accounting import accounting
-    from optimizers._owners import shard_rows
-    from optimizers._sharded import local
+    `filled_bytes` are this rank's shards."""
 
     weights.check_against(model)
     report = LoadReport(weights.source)
-    with accounting() as acc:
-        model.to_empty(device=device)
-        for name, slots in _slots(model).items():
-            mod, attr, is_param = slots[0]
-            t = mod._parameters[attr] if is_param else mod._buffers[attr]
-            dest = local(t)
-            rows = None
-            if dest is not t:  # a DTensor, split on dim 0 over the mesh
-                counts = shard_rows(t.shape[0], t.device_mesh.size())
-                r = t.device_mesh.get_local_rank()
-                start = sum(counts[:r])
-                rows = (start, start + counts[r])
-                if dest.shape[0] != counts[r]:
-                    raise RuntimeError(
-                        f"load_shards_: {name}'s local shard has {dest.shape[0]} rows, not {counts[r]}"
-                    )
-            _note(report, weights.read_into(name, dest, rows))
-        _recompute_non_persistent(model)
-    report.peak_bytes = acc.replay(include_existing=False)[0]
+    model.to_empty(device=device)
+    for name, slots in _slots(model).items():
+        mod, attr, is_param = slots[0]
+        t = mod._parameters[attr] if is_param else mod._buffers[attr]
+        dest = local(t)
+        rows = None
+        if dest is not t:  # a DTensor, split on dim 0 over the mesh
+            counts = shard_rows(t.shape[0], t.device_mesh.size())
+            r = t.device_mesh.get_local_rank()
+            start = sum(counts[:r])
+            rows = (start, start + counts[r])
+            if dest.shape[0] != counts[r]:
+                raise RuntimeError(
+                    f"load_shards_: {name}'s local shard has {dest.shape[0]} rows, not {counts[r]}"
+                )
+        _note(report, weights.read_into(name, dest, rows))
+    _recompute_non_persistent(model)
     report.filled_bytes = _held_bytes(model)
     return report
 
@@ -380,22 +343,5 @@ def _note(report: LoadReport, nbytes: int) -> None:
 def _held_bytes(model: nn.Module) -> int:
     """Bytes of the model's parameters and buffers on this process (a DTensor's local shard),
     each tensor once (a tied matrix is one)."""
-    from optimizers._sharded import local
-
     tensors = {id(t): local(t) for t in (*model.parameters(), *model.buffers())}
     return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def has_tokenizer(folder: Path) -> bool:
-    """Whether a model folder holds a tokenizer transformers can load."""
-    return any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-
-
-def init_folder_for_tokenizer(source: str) -> str | None:
-    """The tokenizer `data.tokenizer: auto` means for `model.init` = `source`: the folder, when it
-    holds one, or the hub id itself (resolved when the tokenizer loads); None for a local folder
-    without one."""
-    path = Path(source).expanduser()
-    if path.is_dir():
-        return source if has_tokenizer(path) else None
-    return source if not os.path.exists(path) else None

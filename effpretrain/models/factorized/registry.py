@@ -132,6 +132,11 @@ FACTOR_KINDS: dict[str, FactorSpec] = {
 }
 
 
+def pretrained_kinds() -> str:
+    """The factor kinds that can start from pretrained weights, as a phrase."""
+    return ", ".join(k for k, s in FACTOR_KINDS.items() if s.pretrained_start)
+
+
 def factor_spec(kind: str) -> FactorSpec:
     """The registry row for `kind`; ValueError naming the choices otherwise."""
     try:

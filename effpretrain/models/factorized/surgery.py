@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from effpretrain.models.factorized.layers import TARGETS, FactorizedLinear, ReLoRALinear, sparse_nnz
-from effpretrain.models.factorized.registry import FACTOR_KINDS, factor_spec
+from effpretrain.models.factorized.registry import FACTOR_KINDS, factor_spec, pretrained_kinds
 from effpretrain.models.factorized.sltrain import SLTrainLinear
 from optimizers.momentum_reset import prune_, reset_, unwrap_optimizer
 
@@ -97,11 +97,6 @@ def apply_factorization(
     if spec.sparse:
         report["density"] = float(density)
     return report
-
-
-def pretrained_kinds() -> str:
-    """The factor kinds that can start from pretrained weights, as a phrase."""
-    return ", ".join(k for k, s in FACTOR_KINDS.items() if s.pretrained_start)
 
 
 def _surgery_report(
