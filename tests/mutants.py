@@ -309,8 +309,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "init-shard-rows-from-zero",
         "under FSDP2 each rank reads its own rows of every tensor (parity with one process)",
         "effpretrain/models/pretrained.py",
-        "                start = sum(counts[:r])",
-        "                start = 0",
+        "            start = sum(counts[:r])",
+        "            start = 0",
         ("tests/test_continue.py::test_two_processes_from_the_folder_equal_one[llama_sharded]",),
     ),
     Mutation(
