@@ -295,9 +295,10 @@ def _allocate(slots: list[tuple[nn.Module, str, bool]]) -> torch.Tensor:
     return t
 
 
-def _recompute_non_persistent(model: nn.Module) -> None:
-    """Each non-persistent buffer, computed by the ``_init_weights`` of the nearest transformers
-    model holding its module, as ``post_init`` last wrote it (RoPE's inv_freq from the config)."""
+def _recompute_non_persistent(model: nn.Module, device: torch.device | str = "cpu") -> None:
+    """Each non-persistent buffer, on `device`, computed by the ``_init_weights`` of the nearest
+    transformers model holding its module, as ``post_init`` last wrote it (RoPE's inv_freq from
+    the config)."""
     from transformers import PreTrainedModel
 
     for name, mod in model.named_modules():
@@ -310,7 +311,7 @@ def _recompute_non_persistent(model: nn.Module) -> None:
             raise RuntimeError(f"materialize_: {name} holds parameters and non-persistent buffers")
         for b in owned:
             meta = mod._buffers[b]
-            mod._buffers[b] = torch.full(meta.shape, float("nan"), dtype=meta.dtype, device="cpu")
+            mod._buffers[b] = torch.full(meta.shape, float("nan"), dtype=meta.dtype, device=device)
         parts = name.split(".")
         owner = next(
             model.get_submodule(".".join(parts[:k]))

@@ -329,7 +329,7 @@ def load_shards_(model: nn.Module, weights: PretrainedWeights, device: torch.dev
                     f"load_shards_: {name}'s local shard has {dest.shape[0]} rows, not {counts[r]}"
                 )
         _note(report, weights.read_into(name, dest, rows))
-    _recompute_non_persistent(model)
+    _recompute_non_persistent(model, device)  # beside the shards (RoPE's inv_freq on the GPU)
     report.filled_bytes = _held_bytes(model)
     return report
 
