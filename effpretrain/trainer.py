@@ -90,7 +90,10 @@ class Trainer:
         self.resume_path = self._resume_target(resume)
         optim_setup.check_param_groups(cfg)
         # model.init: the source checked (config, files, headers) before any data or model work.
-        self.init_weights = open_pretrained(cfg.model.init)[0] if cfg.model.init else None
+        self.init_weights = None
+        if cfg.model.init:
+            with self.acc.main_process_first():  # a hub id downloads once, then the others read it
+                self.init_weights = open_pretrained(cfg.model.init)[0]
         self._set_up_data()
         self._set_up_model_and_optimizer(self._build_model())
         self.progress = Progress()

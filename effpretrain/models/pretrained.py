@@ -119,6 +119,8 @@ def _read_header(file: Path) -> dict[str, _Entry]:
         raise ConfigError(f"model.init: cannot read {file}: {e.strerror or e}") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ConfigError(f"model.init: {file.name} has no readable safetensors header") from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"model.init: {file.name} has no readable safetensors header")
     entries: dict[str, _Entry] = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -163,13 +165,18 @@ class PretrainedWeights:
         count = (b - a) * row_bytes
         direct = dest.device.type == "cpu" and dest.dtype == e.dtype and dest.is_contiguous()
         buf = dest if direct else torch.empty(dest.shape, dtype=e.dtype)
+        if buf.numel() * e.dtype.itemsize != count:
+            raise RuntimeError(f"read_into: {name}: a destination of {tuple(dest.shape)} for {count} bytes")
         if count:
-            view = memoryview(buf.view(torch.uint8).reshape(-1).numpy()) if buf.numel() else None
+            view = memoryview(buf.reshape(-1).view(torch.uint8).numpy())
             with open(e.file, "rb") as f:
                 f.seek(e.start + a * row_bytes)
-                got = f.readinto(view) if view is not None else 0
-            if got != count:
-                raise ConfigError(f"model.init: {e.file.name}: tensor {name} is truncated")
+                got = 0
+                while got < count:  # one read stops at about 2 GiB on Linux: loop until whole
+                    n = f.readinto(view[got:])
+                    if not n:
+                        raise ConfigError(f"model.init: {e.file.name}: tensor {name} is truncated")
+                    got += n
         if not direct:
             dest.copy_(buf)
         return count
