@@ -37,7 +37,7 @@ from effpretrain.config import apply_overrides, from_dict, validate
 from effpretrain.data import ValidationSet
 from effpretrain.launch import check_launch, make_accelerator
 from effpretrain.loss import DEFAULT_CHUNK_TOKENS, token_loss_sum
-from effpretrain.run_model import build_run_model, place_model
+from effpretrain.run_model import build_run_model, place_model, run_vocabulary
 
 __all__ = ["EvalResult", "evaluate", "evaluate_checkpoint", "from_totals"]
 
@@ -213,5 +213,5 @@ def _evaluation_set_up(cfg: Any, scratch: Path) -> tuple[Any, ValidationSet, tor
         corpus = data_mod.load_corpus(cfg.data)
         tok = data_mod.load_tokenizer(cfg.data, corpus)
     val = data_mod.validation_set(corpus, tok, cfg.data.seq_len, cfg.data.mode, cfg.train.eval_tokens)
-    model, _ = build_run_model(cfg, tok.vocab_size)
+    model, _ = build_run_model(cfg, run_vocabulary(cfg, tok.vocab_size, tok.name))
     return acc, val, place_model(model, cfg, acc.device, 0)

@@ -21,8 +21,8 @@ from effpretrain.models import FACTOR_KINDS, apply_factorization, build_model, s
 from effpretrain.models.factorized import begin_warm_start_
 from effpretrain.models.llama import (
     build_llama_config,
+    config_location,
     config_source,
-    init_config_folder,
     load_hf_config,
     model_shape,
 )
@@ -115,15 +115,34 @@ def weights_dtype(cfg: RunConfig) -> torch.dtype:
     return torch.bfloat16 if cfg.train.precision == "bf16-pure" else torch.float32
 
 
+def run_vocabulary(cfg: RunConfig, tokens: int, tokenizer: str) -> int:
+    """The vocabulary of the run's model for a tokenizer of `tokens` tokens: the tokenizer's, or,
+    for ``model.init``, its embedding's rows, which may exceed the tokenizer's count (padded, as
+    Qwen's are) but never fall short of it.
+
+    Raises:
+        ConfigError: ``model.init``'s tokenizer has more tokens than its embedding has rows.
+    """
+    if not cfg.model.init:
+        return tokens
+    rows = model_shape(cfg.model).vocab
+    if tokens > rows:
+        raise ConfigError(
+            f"model.init: the tokenizer {tokenizer} has {tokens} tokens but the model's embedding "
+            f"has {rows} rows; use the model's own tokenizer (data.tokenizer)"
+        )
+    return rows
+
+
 def run_hf_config(cfg: RunConfig, vocab_size: int) -> Any:
     """``model.config``'s (or ``model.init``'s) transformers config, checked against the run: a
     supported architecture, the tokenizer's vocabulary, enough positions for ``data.seq_len``
-    (``model.max_position_embeddings``, when set, replaces the config's). A pretrained model's
-    embedding may have more rows than its tokenizer has tokens (padded, as Qwen's are), never fewer."""
+    (``model.max_position_embeddings``, when set, replaces the config's); `vocab_size` is
+    `run_vocabulary`'s."""
     model_shape(cfg.model)  # readable and supported, else the one-line ConfigError
-    key, source = config_source(cfg.model)
-    hf_config = load_hf_config(str(init_config_folder(source)) if key == "model.init" else source)
-    if hf_config.vocab_size != vocab_size and not (key == "model.init" and vocab_size < hf_config.vocab_size):
+    key = config_source(cfg.model)[0]
+    hf_config = load_hf_config(config_location(cfg.model))
+    if hf_config.vocab_size != vocab_size:
         raise ConfigError(
             f"{key}: vocab_size={hf_config.vocab_size} but the tokenizer has {vocab_size} tokens; "
             "use a model and a tokenizer (data.tokenizer) of the same vocabulary"

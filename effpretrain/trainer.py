@@ -38,11 +38,10 @@ from effpretrain.launch import check_launch, choose_launch, make_accelerator
 from effpretrain.loss import token_loss_sum
 from effpretrain.memory import measure, preflight
 from effpretrain.models.factorized import end_warm_start_, factor_spec, warming_up
-from effpretrain.models.llama import model_shape
 from effpretrain.models.pretrained import load_shards_, meta_model, open_pretrained
 from effpretrain.optim_setup import build_optimizer_and_schedule, opt_telemetry, warm_start_steps
 from effpretrain.reporting import RunClock, RunReport, build_summary
-from effpretrain.run_model import build_run_model, place_model, run_hf_config
+from effpretrain.run_model import build_run_model, place_model, run_hf_config, run_vocabulary
 from effpretrain.run_state import EXACTNESS_KEYS, DataPosition, OptionalPart, Progress, RngState, RunFacts
 from effpretrain.signals import StopSignals
 from optimizers import writer
@@ -150,8 +149,10 @@ class Trainer:
         with self.acc.main_process_first():
             self.corpus = data_mod.load_corpus(cfg.data)
             self.tok = data_mod.load_tokenizer(cfg.data, self.corpus)
-        if cfg.model.init:
-            self.tok = self._model_vocabulary(self.tok)
+        # The model's vocabulary (a pretrained embedding may be padded past its tokenizer's).
+        self.tok = dataclasses.replace(
+            self.tok, vocab_size=run_vocabulary(cfg, self.tok.vocab_size, self.tok.name)
+        )
         self.stream = data_mod.TokenStream.from_config(self.corpus, self.tok, cfg.data, self.rank, self.world)
         self.batches = data_mod.Batches(
             self.stream,
@@ -167,17 +168,6 @@ class Trainer:
         self.val = data_mod.validation_set(
             self.corpus, self.tok, cfg.data.seq_len, cfg.data.mode, train_cfg.eval_tokens
         )
-
-    def _model_vocabulary(self, tok: data_mod.Tokenizer) -> data_mod.Tokenizer:
-        """`model.init`'s tokenizer with the model's vocabulary: its embedding's rows, which may
-        exceed the tokenizer's count (padded, as Qwen's are) but never fall short of it."""
-        rows = model_shape(self.cfg.model).vocab
-        if tok.vocab_size > rows:
-            raise ConfigError(
-                f"model.init: the tokenizer {tok.name} has {tok.vocab_size} tokens but the model's embedding "
-                f"has {rows} rows; use the model's own tokenizer (data.tokenizer)"
-            )
-        return dataclasses.replace(tok, vocab_size=rows)
 
     def _build_model(self) -> torch.nn.Module:
         if self.init_weights is not None and self.launch.sharding == "fsdp2":

@@ -289,7 +289,7 @@ def model_shape(model_cfg: Any) -> ModelShape:
         return PRESETS[HUB_SHAPES[source]]
     if source:
         try:
-            return _config_shape(str(init_config_folder(source)) if key == "model.init" else source)
+            return _config_shape(config_location(model_cfg))
         except ValueError as e:
             raise ConfigError(f"{key}: {e}") from None
     return PRESETS[model_cfg.preset]
@@ -305,9 +305,11 @@ def config_source(model_cfg: Any) -> tuple[str, str]:
     return "", ""
 
 
-def init_config_folder(source: str) -> Path:
-    """The local folder of ``model.init`` (a hub id's download)."""
-    return resolve_init(source)
+def config_location(model_cfg: Any) -> str:
+    """Where the run's model config is read (`load_hf_config`): ``model.config`` as given, or
+    ``model.init``'s local folder (a hub id's download, `resolve_init`)."""
+    key, source = config_source(model_cfg)
+    return str(resolve_init(source)) if key == "model.init" else source
 
 
 #: The files a hub download of ``model.init`` fetches: the config, the weights, the tokenizer.
@@ -326,22 +328,24 @@ def resolve_init(source: str) -> Path:
         )
     if source.startswith(("/", ".", "~")) or source.count("/") != 1:
         raise ConfigError(f"model.init: {source}: no such folder")
+    return _hub_folder(source)
+
+
+@functools.lru_cache(maxsize=16)
+def _hub_folder(repo_id: str) -> Path:
+    """A hub model's download (`_HUB_PATTERNS`), once per process: the shape, the config and the
+    weights each ask for the folder."""
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(source, allow_patterns=_HUB_PATTERNS))
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS))
     except Exception as e:  # offline, unknown id, gated model: one line, whatever the hub's error
-        raise ConfigError(f"model.init: cannot fetch {source!r} from the hub ({_first_line(e)})") from None
+        raise ConfigError(f"model.init: cannot fetch {repo_id!r} from the hub ({_first_line(e)})") from None
 
 
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0][:200] if text else type(e).__name__
-
-
-def has_tokenizer(folder: Path) -> bool:
-    """Whether a model folder holds a tokenizer transformers can load."""
-    return any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
 
 
 def init_folder_for_tokenizer(source: str) -> str | None:
@@ -350,7 +354,8 @@ def init_folder_for_tokenizer(source: str) -> str | None:
     without one."""
     path = Path(source).expanduser()
     if path.is_dir():
-        return source if has_tokenizer(path) else None
+        files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")  # what transformers loads
+        return source if any((path / f).is_file() for f in files) else None
     return source if not path.exists() else None
 
 

@@ -26,7 +26,6 @@ one buffer of the file's dtype. So loading never holds the model twice:
 from __future__ import annotations
 
 import json
-import logging
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,11 +36,9 @@ from torch import nn
 
 from effpretrain.errors import ConfigError
 from effpretrain.models.llama import _first_line, load_hf_config, model_class, resolve_init, shape_of
-from effpretrain.models.materialize import AfterLayer, _recompute_non_persistent, _slots, _units
+from effpretrain.models.materialize import AfterLayer, _allocate, _recompute_non_persistent, _slots, _units
 from optimizers._owners import shard_rows
 from optimizers._sharded import local
-
-log = logging.getLogger("effpretrain")
 
 __all__ = [
     "LoadReport",
@@ -168,7 +165,7 @@ class PretrainedWeights:
         if buf.numel() * e.dtype.itemsize != count:
             raise RuntimeError(f"read_into: {name}: a destination of {tuple(dest.shape)} for {count} bytes")
         if count:
-            view = memoryview(buf.reshape(-1).view(torch.uint8).numpy())
+            view = memoryview(buf.detach().reshape(-1).view(torch.uint8).numpy())  # a parameter too
             with open(e.file, "rb") as f:
                 f.seek(e.start + a * row_bytes)
                 got = 0
@@ -189,12 +186,7 @@ class PretrainedWeights:
             mod, attr, is_param = slots[0]
             t = mod._parameters[attr] if is_param else mod._buffers[attr]
             want[name] = tuple(t.shape)
-        tied = {
-            f"{p}.{a}" if p else a
-            for p, m in model.named_modules(remove_duplicate=False)
-            for a, t in m._parameters.items()
-            if t is not None
-        } - want.keys()
+        tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - want.keys()
         extra = sorted(k for k in self.entries if k not in want and k not in tied and not _recomputed(k))
         missing = sorted(k for k in want if k not in self.entries)
         if missing:
@@ -297,14 +289,8 @@ def load_pretrained(
     for name in slots:
         order.setdefault(unit_of[name], []).append(name)
     for unit, names in order.items():
-        for name in names:
-            mod, attr, is_param = slots[name][0]
-            meta = mod._parameters[attr] if is_param else mod._buffers[attr]
-            t = torch.empty(meta.shape, dtype=meta.dtype)
-            _note(report, weights.read_into(name, t))
-            t = nn.Parameter(t, requires_grad=meta.requires_grad) if is_param else t
-            for m, a, p in slots[name]:
-                (m._parameters if p else m._buffers)[a] = t
+        for name in names:  # allocated on the CPU in every slot of the meta tensor (ties kept)
+            _note(report, weights.read_into(name, _allocate(slots[name])))
         if after_layer is not None:
             after_layer(unit, model.get_submodule(unit))
     _recompute_non_persistent(model)
