@@ -114,7 +114,7 @@ def _parameter_of(t: torch.Tensor) -> torch.Tensor:
     if p is None or p is t:
         return t
     shard = _local(p)
-    plain = type(shard) is torch.Tensor and type(t) is torch.Tensor  # a view of it (autograd's)
+    plain = type(shard) is torch.Tensor and type(t) is torch.Tensor  # to_local: a new alias of it
     same = shard is t or (plain and shard.data_ptr() == t.data_ptr() and shard.shape == t.shape)
     return p if same else t
 
